@@ -1,0 +1,212 @@
+"""The one streaming interface every backend speaks.
+
+A backend turns a request (chat messages or prompt token ids) plus sampling settings into a
+stream of `Step` events, one per forward pass of the target model, and ends the stream with
+exactly one `Summary`. Speculative engines fill in how many tokens a pass drafted and accepted.
+Metric names follow vLLM's (draft tokens, accepted tokens, accepted per position, mean
+acceptance length = 1 + accepted / drafts) so figures compare across tools.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence, Union
+
+Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+
+STOP_EOS = "eos"
+STOP_MAX_TOKENS = "max_tokens"
+STOP_CANCELLED = "cancelled"
+STOP_CONTEXT_FULL = "context_full"
+
+
+class BackendError(Exception):
+    """A problem the user can fix (missing file, mismatched drafter, prompt too long).
+
+    Its message is one line saying what is wrong and how to fix it; front ends print it as is.
+    """
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    max_tokens: int = 256
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class Request:
+    """What to generate from: chat messages (rendered with the model's own chat template)
+    or prompt token ids used as they are."""
+
+    messages: Sequence[Message] | None = None
+    prompt_ids: Sequence[int] | None = None
+
+    def __post_init__(self):
+        if (self.messages is None) == (self.prompt_ids is None):
+            raise ValueError("Request needs exactly one of messages or prompt_ids")
+
+
+@dataclass
+class Step:
+    """One target forward pass worth of output.
+
+    `token_ids` are the tokens this pass committed. For a speculative pass the first
+    `accepted` of them are drafts the target confirmed and the last one is the target's own
+    (correction or bonus) token; `drafted` is how many tokens the drafter proposed.
+    """
+
+    token_ids: list[int]
+    text: str
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class Summary:
+    """The closing event of every stream."""
+
+    stop_reason: str
+    tokens: int = 0
+    passes: int = 0
+    prompt_tokens: int = 0
+    wall_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    drafts: int = 0  # passes that verified at least one draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafts_per_position: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    error: str | None = None
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first one, per second after the first one arrived."""
+        return (self.tokens - 1) / self.decode_s if self.tokens > 1 and self.decode_s > 0 else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens emitted per verification pass (vLLM's mean acceptance length)."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Share of passes that drafted position i whose draft at i was accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafts_per_position)]
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(decode_tok_s=self.decode_tok_s, mean_accepted=self.mean_accepted,
+                 acceptance_rate=self.acceptance_rate, acceptance_by_position=self.acceptance_by_position)
+        return d
+
+
+Event = Union[Step, Summary]
+
+
+class StreamStats:
+    """Accumulates `Step`s into a `Summary`; every backend uses it so metrics mean one thing."""
+
+    def __init__(self, prompt_tokens: int = 0):
+        self.start = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.summary = Summary(stop_reason="", prompt_tokens=prompt_tokens)
+
+    def add(self, step: Step) -> Step:
+        s = self.summary
+        if self.first_token_at is None and step.token_ids:
+            self.first_token_at = time.perf_counter()
+        s.passes += 1
+        s.tokens += len(step.token_ids)
+        s.token_ids.extend(step.token_ids)
+        s.text += step.text
+        if step.drafted:
+            s.drafts += 1
+            s.draft_tokens += step.drafted
+            s.accepted_tokens += step.accepted
+            while len(s.drafts_per_position) < step.drafted:
+                s.drafts_per_position.append(0)
+                s.accepted_per_position.append(0)
+            for i in range(step.drafted):
+                s.drafts_per_position[i] += 1
+            for i in range(step.accepted):
+                s.accepted_per_position[i] += 1
+        return step
+
+    def finish(self, stop_reason: str, tail_text: str = "", error: str | None = None) -> Summary:
+        now = time.perf_counter()
+        s = self.summary
+        s.text += tail_text
+        s.stop_reason = stop_reason
+        s.error = error
+        s.wall_s = now - self.start
+        if self.first_token_at is not None:
+            s.ttft_s = self.first_token_at - self.start
+            s.decode_s = now - self.first_token_at
+        return s
+
+
+class Backend(ABC):
+    """A loaded model behind the streaming interface.
+
+    `stream` yields `Step`s and ends with one `Summary`. Setting `cancel` (or closing the
+    generator) stops generation after the current pass; the backend is then ready for the
+    next request.
+    """
+
+    name: str = "backend"
+
+    @property
+    @abstractmethod
+    def context_length(self) -> int: ...
+
+    @abstractmethod
+    def tokenize_chat(self, messages: Sequence[Message]) -> list[int]:
+        """Render messages with the model's own chat template (with the generation prompt)."""
+
+    @abstractmethod
+    def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    @abstractmethod
+    def stream(self, request: Request, sampling: Sampling,
+               cancel: threading.Event | None = None) -> Iterator[Event]: ...
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        if request.prompt_ids is not None:
+            return list(request.prompt_ids)
+        return self.tokenize_chat(request.messages)
+
+    def check_fits(self, n_prompt: int) -> None:
+        if n_prompt >= self.context_length:
+            raise BackendError(
+                f"prompt is {n_prompt} tokens but the context holds {self.context_length}: "
+                f"shorten the conversation (new chat) or raise `context` in the profile")
+
+    def close(self) -> None:
+        """Release model memory."""
+
+
+def run_to_summary(events: Iterator[Event]) -> Summary:
+    """Drain a stream and return its summary."""
+    summary = None
+    for ev in events:
+        if isinstance(ev, Summary):
+            summary = ev
+    if summary is None:
+        raise RuntimeError("stream ended without a Summary")
+    return summary

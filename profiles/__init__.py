@@ -1,0 +1,1 @@
+"""Shipped YAML profiles (and trained drafters under drafters/)."""

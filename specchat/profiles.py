@@ -1,0 +1,249 @@
+"""Profiles: one YAML file = model + backend + method + sampling, switchable in one keystroke.
+
+Shipped profiles live in the `profiles/` package; user profiles in the user config directory
+add to them or override them by name. A profile may `extends:` another and override fields.
+Every problem becomes one line naming the file, the key and what is expected; a broken
+profile never stops the others from loading.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specchat import paths
+
+METHODS = ("none", "draft", "ngram", "mtp", "dflash")
+DEFAULT_PROFILE = "smollm2"
+
+
+class ProfileError(Exception):
+    """One clear line: which file, which key, what is expected."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(0.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0)
+    max_tokens: int = Field(512, ge=1)
+
+
+class SpeculativeConfig(_Strict):
+    method: Literal["none", "draft", "ngram", "mtp", "dflash"] = "none"
+    depth: int = Field(4, ge=1, le=64)
+    drafter: Optional[str] = None
+    acceptance: Literal["exact", "rejection"] = "exact"
+    ngram_max: int = Field(3, ge=1, le=16)
+    ngram_min: int = Field(1, ge=1, le=16)
+    strict: bool = False  # verify with the same arithmetic as target-only decoding
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.method == "draft" and not self.drafter:
+            raise ValueError("method 'draft' needs `drafter`: a GGUF file or model directory")
+        if self.method == "dflash" and not self.drafter:
+            raise ValueError("method 'dflash' needs `drafter`: a DFlash drafter directory")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min must be <= ngram_max")
+        return self
+
+
+class Profile(_Strict):
+    name: str
+    description: str = ""
+    extends: Optional[str] = None
+    backend: Literal["torch", "llamacpp"] = "torch"
+    model: str
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    threads: int = Field(0, ge=0)  # 0: all physical cores
+    context: int = Field(2048, ge=16)
+    system: Optional[str] = None
+    sampling: SamplingConfig = SamplingConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    source: Optional[str] = Field(None, exclude=True)  # the file it came from
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError("expected auto, cpu, cuda or cuda:N")
+
+    @model_validator(mode="after")
+    def _combination(self):
+        if self.backend == "llamacpp" and self.speculative.method != "none":
+            raise ValueError(
+                f"speculative method '{self.speculative.method}' needs backend 'torch' "
+                "(the llama.cpp backend runs target-only)")
+        return self
+
+    @property
+    def method(self) -> str:
+        return self.speculative.method
+
+    @property
+    def base_dir(self) -> Path:
+        return Path(self.source).parent if self.source else Path.cwd()
+
+    def resolve_path(self, value: str) -> Path:
+        """A path written in a profile is relative to the profile's own file."""
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else (self.base_dir / p)
+
+    def target_only(self) -> "Profile":
+        """The same profile with speculation off: the reference a speculative run is checked against."""
+        return self.model_copy(update={
+            "name": f"{self.name}:target-only",
+            "speculative": SpeculativeConfig(),
+        })
+
+    def with_overrides(self, **sampling: Any) -> "Profile":
+        """Override sampling fields (None values are ignored), validated."""
+        data = self.sampling.model_dump()
+        data.update({k: v for k, v in sampling.items() if v is not None})
+        try:
+            return self.model_copy(update={"sampling": SamplingConfig(**data)})
+        except ValidationError as e:
+            raise ProfileError(_one_line(e, f"profile '{self.name}'")) from None
+
+
+def _one_line(err: ValidationError, where: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key (check the spelling; see `specchat profiles --help`)"
+    elif first["type"] == "missing":
+        msg = "required key is missing"
+    elif "input" in first and first["type"] not in ("value_error",):
+        msg = f"{msg} (got {first['input']!r})"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{where}: {loc}: {msg}{more}"
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise ProfileError(f"{path}: broken YAML{at}: {problem}") from None
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read: {e.strerror}") from None
+    if data is None:
+        raise ProfileError(f"{path}: the file is empty; expected a mapping with at least `model:`")
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: expected a mapping of keys (name, model, backend, ...), got {type(data).__name__}")
+    return data
+
+
+@dataclass
+class ProfileSet:
+    profiles: dict[str, Profile]
+    errors: dict[str, str]  # profile name -> one-line error
+
+    def get(self, name: str) -> Profile:
+        if name in self.profiles:
+            return self.profiles[name]
+        if name in self.errors:
+            raise ProfileError(self.errors[name])
+        path = Path(name)
+        if path.suffix in (".yaml", ".yml") and path.exists():
+            return load_profile_file(path)
+        known = ", ".join(sorted(self.profiles)) or "none"
+        raise ProfileError(f"no profile named '{name}' (available: {known}); `specchat profiles` lists them")
+
+
+def _profile_files() -> dict[str, Path]:
+    files: dict[str, Path] = {}
+    for folder in (paths.shipped_profiles_dir(), paths.user_profiles_dir()):
+        for f in sorted(folder.glob("*.y*ml")):
+            files[f.stem] = f  # user files come second and override shipped ones
+    return files
+
+
+def _resolve(name: str, files: dict[str, Path], raw: dict[str, dict], chain: tuple[str, ...] = ()) -> dict:
+    if name in chain:
+        raise ProfileError(f"{files[chain[0]]}: extends: cycle {' -> '.join(chain + (name,))}")
+    data = raw[name]
+    parent = data.get("extends")
+    if parent is None:
+        return data
+    if not isinstance(parent, str) or parent not in files:
+        raise ProfileError(f"{files[name]}: extends: no profile named {parent!r} to extend")
+    if parent not in raw:
+        raise ProfileError(f"{files[name]}: extends: parent profile '{parent}' is itself broken")
+    inherited = {k: v for k, v in _resolve(parent, files, raw, chain + (name,)).items()
+                 if k not in ("name", "description")}
+    return _deep_merge(inherited, data)
+
+
+def _build(name: str, data: dict, path: Path) -> Profile:
+    data = dict(data)
+    if data.setdefault("name", name) != name:
+        raise ProfileError(f"{path}: name: {data['name']!r} differs from the file name; "
+                           f"a profile is named by its file ({name})")
+    data.pop("extends", None)
+    try:
+        profile = Profile(**data, source=str(path))
+    except ValidationError as e:
+        raise ProfileError(_one_line(e, str(path))) from None
+    except TypeError as e:
+        raise ProfileError(f"{path}: {e}") from None
+    _check_files(profile, path)
+    return profile
+
+
+def _check_files(profile: Profile, path: Path) -> None:
+    from specchat.models import looks_like_path
+
+    if looks_like_path(profile.model) and not profile.resolve_path(profile.model).exists():
+        raise ProfileError(f"{path}: model: no file or directory at {profile.resolve_path(profile.model)}")
+    drafter = profile.speculative.drafter
+    if drafter and looks_like_path(drafter) and not profile.resolve_path(drafter).exists():
+        raise ProfileError(
+            f"{path}: speculative.drafter: no drafter at {profile.resolve_path(drafter)} "
+            "(train one with `specchat train`, or point `drafter:` at a model directory or GGUF file)")
+
+
+def load_profile_file(path: Path) -> Profile:
+    return _build(path.stem, _read_yaml(path), path)
+
+
+def load_profiles() -> ProfileSet:
+    files = _profile_files()
+    raw: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+    for name, path in files.items():
+        try:
+            raw[name] = _read_yaml(path)
+        except ProfileError as e:
+            errors[name] = str(e)
+    profiles: dict[str, Profile] = {}
+    for name in raw:
+        try:
+            profiles[name] = _build(name, _resolve(name, files, raw), files[name])
+        except ProfileError as e:
+            errors[name] = str(e)
+    return ProfileSet(profiles, errors)
