@@ -1,0 +1,186 @@
+"""`specchat bench`: a prompt set through one or more profiles, measured in one run.
+
+Every later speed figure comes from here. Speed-ups are ratios against the target-only
+reference of the same model measured in the same run (added automatically when the run has
+none), because absolute tok/s on a shared machine drift from run to run.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+from backends.base import Backend, Request, Summary, run_to_summary
+from specchat.loading import load_backend, messages_for, sampling_of
+from specchat.profiles import Profile
+from specchat.prompts import PromptItem
+
+
+@dataclass
+class Run:
+    prompt: PromptItem
+    summary: Summary
+
+
+@dataclass
+class ProfileResult:
+    label: str
+    profile: Profile
+    runs: list[Run] = field(default_factory=list)
+    reference: Optional[str] = None  # label of the target-only row this one is compared with
+    load_s: float = 0.0
+
+    def subset(self, task: Optional[str]) -> list[Summary]:
+        return [r.summary for r in self.runs if task is None or r.prompt.task == task]
+
+    def decode_tok_s(self, task: Optional[str] = None) -> float:
+        vals = [s.decode_tok_s for s in self.subset(task) if s.decode_tok_s > 0]
+        return statistics.median(vals) if vals else 0.0
+
+    def ttft_s(self, task: Optional[str] = None) -> float:
+        vals = [s.ttft_s for s in self.subset(task)]
+        return statistics.median(vals) if vals else 0.0
+
+    def mean_accepted(self, task: Optional[str] = None) -> float:
+        subs = self.subset(task)
+        drafts = sum(s.drafts for s in subs)
+        return 1.0 + sum(s.accepted_tokens for s in subs) / drafts if drafts else 1.0
+
+    def acceptance_by_position(self) -> list[float]:
+        acc: list[int] = []
+        dr: list[int] = []
+        for s in self.subset(None):
+            for i, (a, d) in enumerate(zip(s.accepted_per_position, s.drafts_per_position)):
+                if i >= len(acc):
+                    acc.append(0)
+                    dr.append(0)
+                acc[i] += a
+                dr[i] += d
+        return [a / d if d else 0.0 for a, d in zip(acc, dr)]
+
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.subset(None))
+
+
+def _is_reference_for(ref: Profile, p: Profile) -> bool:
+    return (ref.method == "none" and ref.backend == p.backend and ref.model == p.model
+            and ref.dtype == p.dtype and ref.resolve_path(ref.model) == p.resolve_path(p.model))
+
+
+def plan(profiles: list[Profile]) -> list[tuple[str, Profile, Optional[str]]]:
+    """Rows to run: each profile, plus a target-only reference for speculative ones lacking it."""
+    rows: list[tuple[str, Profile, Optional[str]]] = []
+    for p in profiles:
+        rows.append((p.name, p, None))
+    for i, (label, p, _) in enumerate(list(rows)):
+        if p.method == "none":
+            continue
+        ref = next((lab for lab, q, _ in rows if _is_reference_for(q, p)), None)
+        if ref is None:
+            ref_profile = p.target_only()
+            rows.append((ref_profile.name, ref_profile, None))
+            ref = ref_profile.name
+        rows[i] = (label, p, ref)
+    return rows
+
+
+def run_profile(backend: Backend, profile: Profile, prompts: Iterable[PromptItem],
+                max_tokens: Optional[int], on_run: Callable[[Run], None] = lambda r: None,
+                warmup: bool = True) -> list[Run]:
+    sampling = sampling_of(profile)
+    if max_tokens:
+        sampling = type(sampling)(**{**sampling.__dict__, "max_tokens": max_tokens})
+    prompts = list(prompts)
+    if warmup and prompts:
+        warm = type(sampling)(**{**sampling.__dict__, "max_tokens": 8})
+        run_to_summary(backend.stream(Request(messages=messages_for(profile, [{"role": "user", "content": "Hi"}])), warm))
+    runs = []
+    for item in prompts:
+        msgs = messages_for(profile, [{"role": "user", "content": item.first}])
+        run = Run(item, run_to_summary(backend.stream(Request(messages=msgs), sampling)))
+        on_run(run)
+        runs.append(run)
+    return runs
+
+
+def bench(profiles: list[Profile], prompts: list[PromptItem], max_tokens: Optional[int] = None,
+          on_run: Callable[[str, Run], None] = lambda label, r: None,
+          on_load: Callable[[str], None] = lambda label: None,
+          extra_rows: Iterable[tuple[str, Callable[[], Backend], Profile]] = ()) -> list[ProfileResult]:
+    """Run the rows one after another (never concurrently: they would contend for the cores)."""
+    import time
+
+    results: list[ProfileResult] = []
+    rows = [(label, (lambda p=p: load_backend(p)), p, ref) for label, p, ref in plan(profiles)]
+    rows += [(label, factory, p, None) for label, factory, p in extra_rows]
+    for label, factory, profile, ref in rows:
+        on_load(label)
+        t0 = time.perf_counter()
+        backend = factory()
+        res = ProfileResult(label, profile, reference=ref, load_s=time.perf_counter() - t0)
+        try:
+            res.runs = run_profile(backend, profile, prompts, max_tokens, lambda r: on_run(label, r))
+        finally:
+            backend.close()
+            del backend
+            gc.collect()
+        results.append(res)
+    return results
+
+
+def speedup(results: list[ProfileResult], res: ProfileResult, task: Optional[str] = None) -> Optional[float]:
+    ref = next((r for r in results if r.label == res.reference), None)
+    if ref is None:
+        return None
+    base = ref.decode_tok_s(task)
+    return res.decode_tok_s(task) / base if base else None
+
+
+def tasks_of(results: list[ProfileResult]) -> list[str]:
+    seen: list[str] = []
+    for r in results:
+        for run in r.runs:
+            if run.prompt.task and run.prompt.task not in seen:
+                seen.append(run.prompt.task)
+    return seen
+
+
+def to_json(results: list[ProfileResult]) -> dict:
+    out = {"rows": []}
+    for r in results:
+        row = {
+            "label": r.label, "backend": r.profile.backend, "method": r.profile.method,
+            "depth": r.profile.speculative.depth if r.profile.method != "none" else 0,
+            "model": r.profile.model, "prompts": len(r.runs), "tokens": r.tokens(),
+            "decode_tok_s": r.decode_tok_s(), "ttft_s": r.ttft_s(), "mean_accepted": r.mean_accepted(),
+            "acceptance_by_position": r.acceptance_by_position(), "reference": r.reference,
+            "speedup": speedup(results, r), "load_s": r.load_s,
+            "by_task": {t: {"decode_tok_s": r.decode_tok_s(t), "mean_accepted": r.mean_accepted(t),
+                            "speedup": speedup(results, r, t)} for t in tasks_of(results)},
+        }
+        out["rows"].append(row)
+    return out
+
+
+def render(results: list[ProfileResult]):
+    """A rich table: one row per profile, then per-task decode tok/s (and speed-up)."""
+    from rich.table import Table
+
+    table = Table(title="specchat bench", show_lines=False)
+    for col in ("profile", "backend", "method", "prompts", "decode tok/s", "TTFT s", "accepted/pass", "speed-up"):
+        table.add_column(col, justify="left" if col in ("profile", "backend", "method") else "right")
+    tasks = tasks_of(results)
+    for t in tasks if len(tasks) > 1 else []:
+        table.add_column(t, justify="right")
+    for r in results:
+        sp = speedup(results, r)
+        method = r.profile.method if r.profile.method == "none" else f"{r.profile.method}:{r.profile.speculative.depth}"
+        cells = [r.label, r.profile.backend, method, str(len(r.runs)), f"{r.decode_tok_s():.1f}",
+                 f"{r.ttft_s():.3f}", f"{r.mean_accepted():.2f}" if r.profile.method != "none" else "-",
+                 f"{sp:.2f}x" if sp else "-"]
+        for t in tasks if len(tasks) > 1 else []:
+            tsp = speedup(results, r, t)
+            cells.append(f"{r.decode_tok_s(t):.1f}" + (f" ({tsp:.2f}x)" if tsp else ""))
+        table.add_row(*cells)
+    return table

@@ -1,0 +1,262 @@
+"""The `specchat` command.
+
+Exit codes: 0 ok, 2 usage or configuration error (one clear line on stderr), 1 runtime failure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+from typing import Optional
+
+from backends.base import BackendError, Request, Summary
+from specchat.profiles import DEFAULT_PROFILE, ProfileError, load_profiles
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    pass
+
+
+def _err(msg: str) -> None:
+    print(f"specchat: error: {msg}", file=sys.stderr)
+
+
+def _profile(name: Optional[str]):
+    return load_profiles().get(name or DEFAULT_PROFILE)
+
+
+def _sampling_overrides(args) -> dict:
+    return {k: getattr(args, k, None) for k in ("temperature", "top_p", "top_k", "seed", "max_tokens")}
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, help="override the profile's sampling.max_tokens")
+    p.add_argument("--temperature", type=float, help="override sampling.temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, help="override sampling.top_p")
+    p.add_argument("--top-k", type=int, help="override sampling.top_k")
+    p.add_argument("--seed", type=int, help="override sampling.seed")
+
+
+# ---------------------------------------------------------------------------------- run
+
+def cmd_run(args) -> int:
+    from specchat.loading import load_backend, messages_for, sampling_of
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise UsageError("empty prompt: pass it as an argument or on stdin")
+    profile = _profile(args.profile).with_overrides(**_sampling_overrides(args))
+    backend = load_backend(profile)
+    request = Request(messages=messages_for(profile, [{"role": "user", "content": prompt}], args.system))
+    cancel = threading.Event()
+    summary: Optional[Summary] = None
+    try:
+        for ev in backend.stream(request, sampling_of(profile), cancel):
+            if isinstance(ev, Summary):
+                summary = ev
+            elif not args.json:
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        cancel.set()
+        return 130
+    finally:
+        backend.close()
+    assert summary is not None
+    if args.json:
+        out = {"profile": profile.name, "backend": profile.backend, "method": profile.method,
+               "depth": profile.speculative.depth if profile.method != "none" else 0, **summary.as_dict()}
+        out["decode_tok_s"] = summary.decode_tok_s
+        print(json.dumps(out))
+    else:
+        sys.stdout.write("\n")
+        if args.stats:
+            print(_stats_line(summary), file=sys.stderr)
+    if summary.error:
+        _err(summary.error)
+        return EXIT_RUNTIME
+    return EXIT_OK
+
+
+def _stats_line(s: Summary) -> str:
+    line = f"{s.tokens} tokens · TTFT {s.ttft_s:.2f}s · {s.decode_tok_s:.1f} tok/s · stop: {s.stop_reason}"
+    if s.drafts:
+        line += f" · {s.mean_accepted:.2f} tokens/pass · acceptance {s.acceptance_rate:.0%}"
+    return line
+
+
+# ----------------------------------------------------------------------------- profiles
+
+def cmd_profiles(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    ps = load_profiles()
+    if args.json:
+        print(json.dumps({"profiles": {n: p.model_dump() for n, p in ps.profiles.items()}, "errors": ps.errors}))
+        return EXIT_OK
+    table = Table(title="profiles")
+    for col in ("name", "backend", "method", "model", "description"):
+        table.add_column(col)
+    for name, p in sorted(ps.profiles.items()):
+        method = p.method if p.method == "none" else f"{p.method} (depth {p.speculative.depth})"
+        table.add_row(name + (" *" if name == DEFAULT_PROFILE else ""), p.backend, method, p.model, p.description)
+    console = Console()
+    console.print(table)
+    for name, msg in sorted(ps.errors.items()):
+        console.print(f"[red]broken[/red] {name}: {msg}", highlight=False, soft_wrap=True)
+    return EXIT_OK
+
+
+def cmd_pull(args) -> int:
+    from specchat.models import pull
+
+    path = pull(args.name, force=args.force)
+    print(path)
+    return EXIT_OK
+
+
+# -------------------------------------------------------------------------------- bench
+
+def cmd_bench(args) -> int:
+    from rich.console import Console
+
+    from specchat import bench
+    from specchat.prompts import load_prompts
+
+    profiles = [_profile(n).with_overrides(max_tokens=args.max_tokens, seed=args.seed,
+                                            temperature=args.temperature)
+                for n in (args.profile or [DEFAULT_PROFILE])]
+    prompts = load_prompts(args.prompts, args.limit, args.category) if args.prompts else _default_prompts()
+    console = Console(stderr=True)
+    extra = []
+    if args.transformers:
+        from backends.hf_reference import TransformersBackend
+
+        base = next((p for p in profiles if p.backend == "torch"), profiles[0]).target_only()
+        for dtype in args.transformers:
+            ref = base.model_copy(update={"name": f"transformers-{dtype}", "dtype": dtype})
+            extra.append((ref.name, lambda ref=ref: TransformersBackend.from_profile(ref), ref))
+    results = bench.bench(
+        profiles, prompts, args.max_tokens,
+        on_load=lambda label: console.print(f"[bold]{label}[/bold]: loading…"),
+        on_run=lambda label, r: console.print(
+            f"  {label} · {r.prompt.id} [{r.prompt.task}] {r.summary.tokens} tok "
+            f"{r.summary.decode_tok_s:.1f} tok/s" + (f" · {r.summary.mean_accepted:.2f}/pass" if r.summary.drafts else ""),
+            highlight=False),
+        extra_rows=extra)
+    if args.json:
+        print(json.dumps(bench.to_json(results)))
+    else:
+        Console().print(bench.render(results))
+    return EXIT_OK
+
+
+def _default_prompts():
+    from specchat.prompts import PromptItem
+
+    return [PromptItem("1", ["Explain speculative decoding in three sentences."]),
+            PromptItem("2", ["Write a haiku about a fast computer."])]
+
+
+# ----------------------------------------------------------------------- chat / repl
+
+def cmd_chat(args) -> int:
+    from specchat.tui.app import run_chat
+
+    return run_chat(args.profile or DEFAULT_PROFILE)
+
+
+def cmd_ab(args) -> int:
+    from specchat.tui.app import run_ab
+
+    return run_ab(args.profile, args.reference)
+
+
+def cmd_repl(args) -> int:
+    from specchat.repl import run_repl
+
+    return run_repl(args.profile or DEFAULT_PROFILE)
+
+
+# ---------------------------------------------------------------------------- parser
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specchat", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = ap.add_subparsers(dest="command")
+
+    p = sub.add_parser("chat", help="open the chat (the default command)")
+    p.add_argument("-p", "--profile")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("ab", help="A/B split view: speculative vs target-only")
+    p.add_argument("-p", "--profile", required=True)
+    p.add_argument("-r", "--reference", help="reference profile (default: the same with speculation off)")
+    p.set_defaults(func=cmd_ab)
+
+    p = sub.add_parser("repl", help="plain line REPL")
+    p.add_argument("-p", "--profile")
+    p.set_defaults(func=cmd_repl)
+
+    p = sub.add_parser("run", help="one prompt, streamed to stdout")
+    p.add_argument("-p", "--profile")
+    p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
+    p.add_argument("--system", help="system prompt for this run")
+    p.add_argument("--json", action="store_true", help="print one JSON summary instead of the text")
+    p.add_argument("--stats", action="store_true", help="print a stats line on stderr")
+    _add_sampling_flags(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("profiles", help="list profiles with their method and model")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_profiles)
+
+    p = sub.add_parser("pull", help="fetch a named model into the cache")
+    p.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("bench", help="measure decode speed, acceptance and speed-up over a prompt set")
+    p.add_argument("-p", "--profile", action="append", help="profile to run (repeatable)")
+    p.add_argument("--prompts", help="prompt file (Spec-Bench question.jsonl, jsonl or text)")
+    p.add_argument("--limit", type=int, help="at most N prompts, spread over the subtasks")
+    p.add_argument("--category", action="append", help="only these categories / subtasks")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--transformers", action="append", metavar="DTYPE", choices=["float32", "bfloat16"],
+                   help="add a transformers `generate` reference row in this dtype (repeatable)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["chat", *(argv or sys.argv[1:])])
+    debug = args.debug or bool(os.environ.get("SPECCHAT_DEBUG"))
+    try:
+        return args.func(args)
+    except (ProfileError, BackendError, UsageError) as e:
+        if debug:
+            raise
+        _err(str(e))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a runtime failure: one line, the traceback only with --debug
+        if debug:
+            raise
+        _err(f"{type(e).__name__}: {e} (rerun with --debug for the traceback)")
+        return EXIT_RUNTIME
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Aligning two replies and judging where they part: the one module behind `specchat verify`
+and the A/B view.
+
+Two runs of the same prompt with the same seed must give the same tokens. When they don't,
+the reference model's own scores at the first differing position tell a floating-point
+near-tie (the two tokens were within `near_tie_margin` of each other, so a batched and a
+single-token kernel can legitimately flip them) from a real mismatch (a bug).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+IDENTICAL = "identical"
+NEAR_TIE = "near-tie"
+MISMATCH = "mismatch"
+
+# Largest score gap (logits, or tempered logits plus the position's Gumbel noise when sampling)
+# that we still attribute to arithmetic rather than to a bug, by the reference's dtype.
+NEAR_TIE_MARGIN = {"float32": 1e-3, "float16": 0.05, "bfloat16": 0.1, "default": 0.1}
+
+
+def near_tie_margin(dtype: str | None) -> float:
+    return NEAR_TIE_MARGIN.get(dtype or "default", NEAR_TIE_MARGIN["default"])
+
+
+def first_divergence(ref: Sequence, other: Sequence) -> Optional[int]:
+    """Index of the first differing element, or None when one is a prefix of the other.
+
+    A reply that stopped earlier (max tokens, cancelled) is not a divergence by itself."""
+    for i, (a, b) in enumerate(zip(ref, other)):
+        if a != b:
+            return i
+    return None
+
+
+@dataclass
+class Verdict:
+    kind: str  # identical | near-tie | mismatch
+    index: Optional[int] = None  # token (or character, for text alignment) index of the divergence
+    ref_text: str = ""  # the reference's token at the divergence
+    other_text: str = ""
+    margin: Optional[float] = None  # reference score of its token minus that of the other's
+    compared: int = 0  # tokens compared
+    by: str = "tokens"  # tokens | text
+
+    @property
+    def ok(self) -> bool:
+        return self.kind != MISMATCH
+
+    def line(self) -> str:
+        if self.kind == IDENTICAL:
+            return f"identical ({self.compared} {self.by})"
+        where = f"{'token' if self.by == 'tokens' else 'character'} {self.index}"
+        margin = f", margin {self.margin:.2e}" if self.margin is not None else ""
+        return f"{self.kind} at {where}{margin}: {self.ref_text!r} (reference) vs {self.other_text!r}"
+
+    def as_dict(self) -> dict:
+        return {"verdict": self.kind, "index": self.index, "reference_token": self.ref_text,
+                "other_token": self.other_text, "margin": self.margin, "compared": self.compared, "by": self.by}
+
+
+def judge_tokens(ref_ids: Sequence[int], other_ids: Sequence[int],
+                 decode: Callable[[Sequence[int]], str],
+                 margin_at: Optional[Callable[[int, int, int], float]] = None,
+                 tie_margin: float = NEAR_TIE_MARGIN["default"]) -> Verdict:
+    """Compare two token-id replies.
+
+    `margin_at(index, ref_token, other_token)` returns the reference's score gap at that
+    position; without it every divergence counts as a mismatch (we never assume a tie)."""
+    compared = min(len(ref_ids), len(other_ids))
+    i = first_divergence(ref_ids, other_ids)
+    if i is None:
+        return Verdict(IDENTICAL, compared=compared)
+    a, b = ref_ids[i], other_ids[i]
+    margin = margin_at(i, a, b) if margin_at else None
+    kind = NEAR_TIE if margin is not None and abs(margin) <= tie_margin else MISMATCH
+    return Verdict(kind, i, decode([a]), decode([b]), margin, compared)
+
+
+def judge_text(ref: str, other: str) -> Verdict:
+    """Fallback for backends that return no token ids (e.g. a remote server without logprobs)."""
+    i = first_divergence(ref, other)
+    if i is None:
+        return Verdict(IDENTICAL, compared=min(len(ref), len(other)), by="text")
+    return Verdict(MISMATCH, i, ref[i:i + 12], other[i:i + 12], None, min(len(ref), len(other)), by="text")
