@@ -65,7 +65,7 @@ def _int4_rows(t) -> Int4Rows:
     """Q4_0 / Q4_1 blocks -> Int4Rows. A block holds 32 weights: fp16 d, (fp16 m,) 16 bytes of
     nibbles where the low nibbles are weights 0..15 and the high nibbles weights 16..31."""
     n_out = int(t.shape[1])
-    raw = torch.from_numpy(np.ascontiguousarray(t.data)).view(n_out, -1)
+    raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).view(n_out, -1)
     has_min = t.tensor_type.name == "Q4_1"
     blocks = raw.view(n_out, -1, 20 if has_min else 18)
     d = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
