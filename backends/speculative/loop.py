@@ -13,13 +13,14 @@ import hashlib
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Protocol, Sequence
 
 import torch
 
 from backends.base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Event, Sampling, Step,
                            StreamStats)
 from backends.detok import IncrementalDetokenizer
+from backends.native.sampling import probs
 from backends.speculative.acceptance import accept_exact, accept_rejection
 
 
@@ -63,24 +64,30 @@ def _sample_dist(dist: torch.Tensor, seed: int, position: int) -> int:
     return int(torch.multinomial(dist / dist.sum(), 1, generator=keyed_generator(seed, position, "residual")))
 
 
-class Target:
-    """What the loop needs from the target engine (the native torch engine implements it)."""
+class Target(Protocol):
+    """What the loop needs from the target engine (`backends.native.engine.TorchBackend`)."""
 
     eos_ids: frozenset[int]
     context_length: int
+    cached: list[int]  # token ids whose keys/values are in the cache
 
     def forward(self, tokens: Sequence[int], start_pos: int,
                 hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
 
     def truncate(self, length: int) -> None: ...
 
-    def cached_prefix(self, tokens: Sequence[int]) -> int: ...
-
     def sample(self, logits: torch.Tensor, positions: Sequence[int], sampling: Sampling) -> torch.Tensor: ...
 
-    def probs(self, logits: torch.Tensor, sampling: Sampling) -> torch.Tensor: ...
-
     def detokenize(self, ids: Sequence[int]) -> str: ...
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], sampling: Sampling, depth: int,
@@ -91,8 +98,7 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
     use_rejection = acceptance == "rejection" and not sampling.greedy
 
     # Prefill: reuse the cached prefix unless the drafter needs hidden states of every prompt position.
-    start = 0 if layers else min(target.cached_prefix(prompt), len(prompt) - 1)
-    target.truncate(start)
+    start = 0 if layers else min(common_prefix(target.cached, prompt), len(prompt) - 1)
     logits, hidden = target.forward(prompt[start:], start, layers)
     first = int(target.sample(logits[-1:], [len(prompt)], sampling)[0])
     tokens = list(prompt) + [first]
@@ -127,7 +133,7 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
         logits, hidden = target.forward([tokens[-1]] + d, n - 1, layers)
         positions = list(range(n, n + len(d) + 1))
         if use_rejection and draft.q is not None and d:
-            p = target.probs(logits, sampling)
+            p = probs(logits, sampling)
             u = torch.stack([torch.rand((), generator=keyed_generator(sampling.seed, pos, "accept"))
                              for pos in positions[:-1]])
             verdict = accept_rejection(d, p, draft.q[:len(d)], u,
