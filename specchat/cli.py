@@ -283,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     _add_sampling_flags(p)
     p.set_defaults(func=cmd_verify)
+
+    from specchat.train.cli import add_train_parser; add_train_parser(sub)  # noqa: E702
     return ap
 
 

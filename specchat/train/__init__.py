@@ -1,0 +1,1 @@
+"""Drafter training: distillation data from the target (`data`), a small draft model (`draft`)."""

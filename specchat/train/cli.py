@@ -1,0 +1,79 @@
+"""`specchat train data|draft`: argparse wiring (added to the main parser by `add_train_parser`)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def cmd_data(args) -> int:
+    from specchat.cli import _profile
+    from specchat.train.data import make_data
+
+    profile = _profile(args.target)
+    if args.threads is not None:
+        profile = profile.model_copy(update={"threads": args.threads})
+    make_data(profile, args.prompts, Path(args.out), max_tokens=args.max_tokens, limit=args.limit,
+              top_k=args.top_k, temperature=args.temperature, seed=args.seed, instances=args.instances,
+              say=_say)
+    return 0
+
+
+def cmd_draft(args) -> int:
+    from specchat.cli import _profile
+    from specchat.train.draft import DraftShape, TrainConfig, train_draft
+
+    shape = DraftShape(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                       ffn=args.ffn)
+    cfg = TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
+                      kl_weight=args.kl_weight, ce_weight=args.ce_weight, checkpoint_every=args.checkpoint_every,
+                      eval_every=args.eval_every, holdout=args.holdout, threads=args.threads)
+    train_draft(_profile(args.target), Path(args.data), Path(args.out), shape, cfg,
+                command=" ".join(["specchat", *sys.argv[1:]]) if args.record_command is None else args.record_command,
+                say=_say)
+    return 0
+
+
+def add_train_parser(sub) -> None:
+    tp = sub.add_parser("train", help="train a draft model for a target (distillation data, then the drafter)")
+    tsub = tp.add_subparsers(dest="train_command", required=True)
+
+    p = tsub.add_parser("data", help="let the target answer training prompts; store replies and top-k probabilities")
+    p.add_argument("--target", default="smollm2", help="target profile (torch backend)")
+    p.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
+                   help="prompt files (self-instruct jsonl, {\"prompt\": ...} jsonl or text); never Spec-Bench")
+    p.add_argument("--out", required=True, help="data directory (resumable: prompts already there are skipped)")
+    p.add_argument("--max-tokens", type=int, default=128, help="reply length cap (default 128)")
+    p.add_argument("--limit", type=int, help="at most N prompts")
+    p.add_argument("--top-k", type=int, default=32, help="target probabilities kept per position (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy replies (default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--instances", action="store_true",
+                   help="every self-instruct instance input becomes its own prompt")
+    p.add_argument("--threads", type=int, help="override the profile's threads (1 is fastest on a busy machine)")
+    p.set_defaults(func=cmd_data)
+
+    p = tsub.add_parser("draft", help="train a small Llama draft model on `train data` output")
+    p.add_argument("--data", required=True, help="directory written by `specchat train data`")
+    p.add_argument("--target", default="smollm2", help="target profile (tokenizer and embeddings come from it)")
+    p.add_argument("--out", required=True, help="output model directory (checkpoints go to OUT/.train)")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--ffn", type=int, default=768)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per step (default 2048)")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--kl-weight", type=float, default=1.0, help="weight of KL to the target's top-k distribution")
+    p.add_argument("--ce-weight", type=float, default=0.5, help="weight of cross-entropy on the target's tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--holdout", type=float, default=0.05, help="share of samples held out for evaluation")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all physical cores)")
+    p.add_argument("--record-command", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_draft)

@@ -1,0 +1,202 @@
+"""`specchat train data`: the target answers training prompts; its replies and top-k distributions
+are stored for distillation.
+
+Layout of the output directory:
+- `manifest.jsonl`: one line per sample: id, shard, prompt_len, reply_len, stop, offsets into the shard.
+- `shard-NNNNN.safetensors`: `tokens` int32 (prompt + reply ids of every sample, concatenated),
+  `topk_ids` int32 [reply positions, k] and `topk_logp` float16 [reply positions, k]: the target's
+  k most likely next tokens and their log-probabilities at each reply position (position j holds
+  the distribution the target chose reply token j from).
+- `info.json`: target profile, sampling, top-k, max tokens.
+
+Resumable: prompts whose id is already in the manifest are skipped. A shard and its manifest
+lines are written together every `shard_size` samples (and at the end).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from backends.base import BackendError, Sampling
+from specchat.prompts import PromptItem, load_prompts
+from specchat.train.progress import bar
+
+MANIFEST = "manifest.jsonl"
+INFO = "info.json"
+
+
+def training_prompts(files: list[str], limit: int | None = None, instances: bool = False) -> list[PromptItem]:
+    """Prompts from jsonl files; Spec-Bench (evaluation only) is refused.
+
+    With `instances`, every instance input of a self-instruct task becomes its own prompt.
+    """
+    items: list[PromptItem] = []
+    for f in files:
+        path = Path(f)
+        if "spec-bench" in str(path.resolve()).lower():
+            raise BackendError(f"{f}: Spec-Bench is evaluation data; never train a drafter on it")
+        first = next((line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()), "") \
+            if path.exists() else ""
+        if '"question_id"' in first and '"turns"' in first:
+            raise BackendError(f"{f}: looks like Spec-Bench/MT-Bench (question_id, turns), which is evaluation "
+                               "data; train on the self-instruct prompts instead")
+        tag = path.stem
+        loaded = load_prompts(path)
+        if instances and path.suffix == ".jsonl":
+            loaded = _instance_prompts(path) or loaded
+        items += [PromptItem(f"{tag}:{it.id}", it.turns, it.category) for it in loaded]
+    if limit:
+        items = items[:limit]
+    return items
+
+
+def _instance_prompts(path: Path) -> list[PromptItem]:
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "instruction" not in rec:
+            return []
+        inputs = [i.get("input", "") for i in rec.get("instances", [])] or [""]
+        for j, inp in enumerate(inputs):
+            text = rec["instruction"] + (f"\n\n{inp}" if inp else "")
+            out.append(PromptItem(f"{rec.get('id', n)}" + (f"#{j}" if j else ""), [text]))
+    return out
+
+
+@dataclass
+class Sample:
+    id: str
+    prompt: list[int]
+    reply: list[int]
+    topk_ids: torch.Tensor  # int32 [len(reply), k]
+    topk_logp: torch.Tensor  # float16 [len(reply), k]
+    stop: str
+
+
+def generate(engine, prompt: list[int], sampling: Sampling, top_k: int) -> Sample:
+    """Decode with the target, keeping its top-k log-probabilities at every reply position.
+
+    The same steps as the engine's own stream (prefill, then one token per forward), so greedy
+    replies are exactly what target-only decoding produces."""
+    logits = engine.prefill(prompt)  # reuses the cached common prefix (system prompt)
+    reply, ids, logps = [], [], []
+    pos, stop = len(prompt), "max_tokens"
+    while True:
+        logp = torch.log_softmax(logits[-1].float(), dim=-1)
+        v, i = logp.topk(top_k)
+        ids.append(i.to(torch.int32))
+        logps.append(v.to(torch.float16))
+        token = int(engine.sample(logits[-1:], [pos], sampling)[0])
+        reply.append(token)
+        if token in engine.eos_ids:
+            stop = "eos"
+            break
+        if len(reply) >= sampling.max_tokens or pos + 1 >= engine.context_length:
+            break
+        logits, _ = engine.forward([token], pos, all_logits=False)
+        pos += 1
+    return Sample("", list(prompt), reply, torch.stack(ids), torch.stack(logps), stop)
+
+
+@dataclass
+class ShardWriter:
+    out: Path
+    shard_size: int
+    pending: list[Sample] = field(default_factory=list)
+
+    def next_index(self) -> int:
+        return len(list(self.out.glob("shard-*.safetensors")))
+
+    def add(self, s: Sample) -> None:
+        self.pending.append(s)
+        if len(self.pending) >= self.shard_size:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        from safetensors.torch import save_file
+
+        name = f"shard-{self.next_index():05d}.safetensors"
+        tokens, lines, tok_off, pos_off = [], [], 0, 0
+        for s in self.pending:
+            seq = s.prompt + s.reply
+            tokens += seq
+            lines.append({"id": s.id, "shard": name, "offset": tok_off, "prompt_len": len(s.prompt),
+                          "reply_len": len(s.reply), "topk_offset": pos_off, "stop": s.stop})
+            tok_off += len(seq)
+            pos_off += len(s.reply)
+        tmp = self.out / (name + ".tmp")
+        save_file({"tokens": torch.tensor(tokens, dtype=torch.int32),
+                   "topk_ids": torch.cat([s.topk_ids for s in self.pending]).contiguous(),
+                   "topk_logp": torch.cat([s.topk_logp for s in self.pending]).contiguous()}, str(tmp))
+        tmp.replace(self.out / name)
+        with open(self.out / MANIFEST, "a", encoding="utf-8") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+        self.pending = []
+
+
+def read_manifest(out: Path) -> list[dict]:
+    path = out / MANIFEST
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128, limit: int | None = None,
+              top_k: int = 32, temperature: float = 0.0, seed: int = 0, instances: bool = False,
+              shard_size: int = 32, say=print) -> dict:
+    from backends.native.engine import TorchBackend
+    from specchat.loading import messages_for
+
+    if profile.backend != "torch":
+        raise BackendError(f"profile '{profile.name}' uses backend '{profile.backend}'; training data needs "
+                           "the torch engine (backend: torch)")
+    prompts = training_prompts(prompt_files, limit, instances)
+    if not prompts:
+        raise BackendError("no training prompts found in " + ", ".join(prompt_files))
+    out.mkdir(parents=True, exist_ok=True)
+    info = {"target": profile.name, "model": profile.model, "max_tokens": max_tokens, "top_k": top_k,
+            "temperature": temperature, "seed": seed, "prompt_files": [str(f) for f in prompt_files],
+            "instances": instances}
+    info_path = out / INFO
+    if info_path.exists():
+        old = json.loads(info_path.read_text())
+        keep = ("target", "max_tokens", "top_k", "temperature", "seed")
+        if any(old.get(k) != info[k] for k in keep):
+            raise BackendError(f"{out}: holds data made with other settings "
+                               f"({ {k: old.get(k) for k in keep} }); use another --out")
+    info_path.write_text(json.dumps(info, indent=1))
+    done = {m["id"] for m in read_manifest(out)}
+    todo = [p for p in prompts if p.id not in done]
+    say(f"{len(prompts)} prompts, {len(prompts) - len(todo)} already in {out}, {len(todo)} to generate")
+    if not todo:
+        return info
+    engine = TorchBackend.from_profile(profile)
+    sampling = Sampling(temperature=temperature, seed=seed, max_tokens=max_tokens)
+    writer = ShardWriter(out, shard_size)
+    started, n_tokens = time.perf_counter(), 0
+    try:
+        with bar("target answers", len(prompts), len(prompts) - len(todo)) as update:
+            for item in todo:
+                prompt = engine.tokenize_chat(messages_for(profile, [{"role": "user", "content": item.first}]))
+                if len(prompt) + 2 > engine.context_length:
+                    update(status=f"skipped {item.id}: prompt too long")
+                    continue
+                sample = generate(engine, prompt, sampling, min(top_k, engine.model.cfg.vocab_size))
+                sample.id = item.id
+                writer.add(sample)
+                n_tokens += len(sample.reply)
+                update(status=f"{n_tokens / (time.perf_counter() - started):.0f} tok/s")
+    finally:
+        writer.flush()
+        engine.close()
+    say(f"{len(todo)} replies, {n_tokens} tokens in {time.perf_counter() - started:.0f}s -> {out}")
+    return info
