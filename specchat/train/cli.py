@@ -30,10 +30,9 @@ def cmd_draft(args) -> int:
                        ffn=args.ffn)
     cfg = TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
                       kl_weight=args.kl_weight, ce_weight=args.ce_weight, checkpoint_every=args.checkpoint_every,
-                      eval_every=args.eval_every, holdout=args.holdout, threads=args.threads)
-    train_draft(_profile(args.target), Path(args.data), Path(args.out), shape, cfg,
-                command=" ".join(["specchat", *sys.argv[1:]]) if args.record_command is None else args.record_command,
-                say=_say)
+                      eval_every=args.eval_every, holdout=args.holdout, threads=args.threads,
+                      stop_at=args.stop_at)
+    train_draft(_profile(args.target), Path(args.data), Path(args.out), shape, cfg, say=_say)
     return 0
 
 
@@ -75,5 +74,5 @@ def add_train_parser(sub) -> None:
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all physical cores)")
-    p.add_argument("--record-command", help=argparse.SUPPRESS)
+    p.add_argument("--stop-at", type=int, help=argparse.SUPPRESS)  # simulate an interruption (tests)
     p.set_defaults(func=cmd_draft)

@@ -1,0 +1,399 @@
+"""`specchat train draft`: a small Llama draft model distilled from the target's replies.
+
+- Shape: `DraftShape` (layers, hidden, heads, ffn); the tied embedding is the target's,
+  dequantized by the engine's own loader and, when the hidden size is smaller, projected onto
+  its top principal directions (a low-rank init that keeps the head close to the target's).
+- Loss at every reply position: KL from the target's top-k distribution (renormalised over
+  those k) to the drafter's, plus cross-entropy on the token the target chose.
+- Deterministic on CPU for a given seed: seeded init, a batch schedule that is a pure function
+  of (seed, step), deterministic algorithms. Resumable: OUT/.train/checkpoint.pt every N steps.
+- Output: a Hugging Face directory (config, bfloat16 safetensors, the target's tokenizer,
+  generation_config, model card, training log) that `TorchBackend` loads like any model.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from backends.base import BackendError
+from specchat.train.data import INFO, read_manifest
+from specchat.train.progress import bar
+
+STATE_DIR = ".train"
+LOG = "train-log.jsonl"
+
+
+@dataclass
+class DraftShape:
+    layers: int = 1
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 768
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 600
+    batch_tokens: int = 2048
+    lr: float = 2e-3
+    seed: int = 0
+    kl_weight: float = 1.0
+    ce_weight: float = 0.5
+    checkpoint_every: int = 100
+    eval_every: int = 100
+    holdout: float = 0.05
+    threads: int = 0
+    warmup: float = 0.05
+    stop_at: int | None = None  # stop (as if interrupted) after this step; for resume tests
+
+
+# ---- the target's pieces ----
+
+def target_source(profile) -> tuple[Path, str]:
+    from specchat.models import fetch_hub, resolve_model
+
+    ref = resolve_model(profile.model, profile.base_dir)
+    return (fetch_hub(ref.location), "hf_dir") if ref.kind == "hub" else (Path(ref.path), ref.kind)
+
+
+def target_parts(profile):
+    """(embedding float32 [V, D], model config, ChatTokenizer) of the target, via the engine's loaders."""
+    from backends.native.engine import load_checkpoint
+    from backends.native.tokenizer import ChatTokenizer
+
+    path, kind = target_source(profile)
+    ck = load_checkpoint(path, kind, keep_int4=False)
+    return ck.embed.float(), ck.cfg, ChatTokenizer(path)
+
+
+def project_embedding(embed: torch.Tensor, hidden: int, gen: torch.Generator) -> torch.Tensor:
+    """The target's embedding in `hidden` dimensions: its top principal directions when smaller,
+    zero-padded with small noise when larger."""
+    v, d = embed.shape
+    if hidden == d:
+        return embed.clone()
+    if hidden > d:
+        extra = torch.randn(v, hidden - d, generator=gen) * embed.std() * 0.1
+        return torch.cat([embed, extra], dim=1)
+    _, vecs = torch.linalg.eigh(embed.T.double() @ embed.double())  # ascending eigenvalues
+    basis = vecs[:, -hidden:].flip(1).float()
+    return embed @ basis
+
+
+def draft_config(shape: DraftShape, tcfg, tokenizer):
+    from transformers import LlamaConfig
+
+    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
+        raise BackendError(f"hidden {shape.hidden} must divide by heads {shape.heads}, and heads by kv-heads "
+                           f"{shape.kv_heads}")
+    eos = sorted(tokenizer.eos_ids)
+    return LlamaConfig(vocab_size=tcfg.vocab_size, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                       num_key_value_heads=shape.kv_heads, head_dim=shape.hidden // shape.heads,
+                       max_position_embeddings=tcfg.max_position, rms_norm_eps=tcfg.norm_eps,
+                       rope_theta=tcfg.rope_theta, tie_word_embeddings=True,
+                       bos_token_id=tokenizer.hf.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos)
+
+
+# ---- data ----
+
+@dataclass
+class Example:
+    id: str
+    tokens: torch.Tensor  # int64 prompt + reply
+    prompt_len: int
+    topk_ids: torch.Tensor  # int64 [reply, k]
+    topk_logp: torch.Tensor  # float32 [reply, k]
+
+
+def load_examples(data: Path) -> list[Example]:
+    from safetensors.torch import load_file
+
+    manifest = read_manifest(data)
+    if not manifest:
+        raise BackendError(f"{data}: no training samples (manifest.jsonl); run `specchat train data` first")
+    shards: dict[str, dict] = {}
+    out = []
+    for m in manifest:
+        if m["reply_len"] == 0:
+            continue
+        sh = shards.setdefault(m["shard"], load_file(str(data / m["shard"])))
+        n = m["prompt_len"] + m["reply_len"]
+        lo = m["topk_offset"]
+        out.append(Example(m["id"], sh["tokens"][m["offset"]:m["offset"] + n].long(), m["prompt_len"],
+                           sh["topk_ids"][lo:lo + m["reply_len"]].long(),
+                           sh["topk_logp"][lo:lo + m["reply_len"]].float()))
+    out.sort(key=lambda e: e.id)
+    return out
+
+
+def split(examples: list[Example], holdout: float, seed: int) -> tuple[list[Example], list[Example]]:
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, round(len(examples) * holdout)) if len(examples) > 1 and holdout > 0 else 0
+    ev = sorted(order[:n_eval])
+    tr = sorted(order[n_eval:])
+    return [examples[i] for i in tr], [examples[i] for i in ev]
+
+
+def schedule(n: int, lengths: list[int], batch_tokens: int, seed: int, steps: int) -> list[list[int]]:
+    """Batches of example indices for every step: seeded epoch permutations, cut into batches of
+    about `batch_tokens` tokens. A pure function of its arguments, so a resumed run sees the same data."""
+    batches: list[list[int]] = []
+    epoch = 0
+    while len(batches) < steps:
+        order = list(range(n))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        cur, size = [], 0
+        for i in order:
+            cur.append(i)
+            size += lengths[i]
+            if size >= batch_tokens:
+                batches.append(cur)
+                cur, size = [], 0
+        if cur:
+            batches.append(cur)
+        epoch += 1
+    return batches[:steps]
+
+
+def collate(batch: list[Example]):
+    """Right-padded ids [B, T] and, per reply position, (row, column of the hidden state that predicts
+    it, top-k ids, top-k log-probs, target token)."""
+    t = max(len(e.tokens) for e in batch)
+    ids = torch.zeros(len(batch), t, dtype=torch.long)
+    rows, cols = [], []
+    for b, e in enumerate(batch):
+        ids[b, :len(e.tokens)] = e.tokens
+        r = len(e.tokens) - e.prompt_len
+        rows.append(torch.full((r,), b, dtype=torch.long))
+        cols.append(torch.arange(e.prompt_len - 1, len(e.tokens) - 1))
+    rows_t, cols_t = torch.cat(rows), torch.cat(cols)
+    targets = ids[rows_t, cols_t + 1]
+    return (ids, rows_t, cols_t, torch.cat([e.topk_ids for e in batch]), torch.cat([e.topk_logp for e in batch]),
+            targets)
+
+
+# ---- loss ----
+
+def losses(model, batch, cfg: TrainConfig):
+    ids, rows, cols, top_ids, top_logp, targets = batch
+    hidden = model.model(input_ids=ids).last_hidden_state[rows, cols]  # [N, H] at reply positions
+    logq = torch.log_softmax(F.linear(hidden, model.get_input_embeddings().weight).float(), dim=-1)
+    p = torch.softmax(top_logp, dim=-1)  # the target's top-k, renormalised
+    kl = (p * (torch.log(p.clamp_min(1e-12)) - logq.gather(1, top_ids))).sum(-1).mean()
+    ce = F.nll_loss(logq, targets)
+    agree = (logq.argmax(-1) == targets).float().mean()
+    return cfg.kl_weight * kl + cfg.ce_weight * ce, kl, ce, agree
+
+
+@torch.no_grad()
+def evaluate(model, examples: list[Example], cfg: TrainConfig) -> dict:
+    """Held-out KL, CE and top-1 agreement with the target's token (greedy per-token acceptance),
+    teacher-forced on the target's replies."""
+    if not examples:
+        return {}
+    model.eval()
+    tot = {"kl": 0.0, "ce": 0.0, "agree": 0.0}
+    n = 0
+    for i in range(0, len(examples), 8):
+        b = collate(examples[i:i + 8])
+        k = len(b[5])
+        _, kl, ce, agree = losses(model, b, cfg)
+        for name, v in (("kl", kl), ("ce", ce), ("agree", agree)):
+            tot[name] += float(v) * k
+        n += k
+    model.train()
+    return {f"eval_{k}": v / n for k, v in tot.items()} | {"eval_positions": n}
+
+
+# ---- training ----
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    warm = max(1, int(cfg.steps * cfg.warmup))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def retrain_command(profile, data: Path, out: Path, data_info: dict, shape: DraftShape, cfg: TrainConfig) -> str:
+    """The one shell command that makes this drafter again from scratch: data, then training."""
+    parts = []
+    if data_info:
+        gen = (f"specchat train data --target {profile.name} --prompts {' '.join(data_info['prompt_files'])} "
+               f"--out {data} --max-tokens {data_info['max_tokens']} --top-k {data_info['top_k']}")
+        if data_info.get("temperature"):
+            gen += f" --temperature {data_info['temperature']} --seed {data_info['seed']}"
+        if data_info.get("instances"):
+            gen += " --instances"
+        parts.append(gen)
+    parts.append(f"specchat train draft --data {data} --target {profile.name} --out {out} "
+                 f"--layers {shape.layers} --hidden {shape.hidden} --heads {shape.heads} --kv-heads {shape.kv_heads} "
+                 f"--ffn {shape.ffn} --steps {cfg.steps} --batch-tokens {cfg.batch_tokens} --lr {cfg.lr} "
+                 f"--kl-weight {cfg.kl_weight} --ce-weight {cfg.ce_weight} --holdout {cfg.holdout} --seed {cfg.seed}")
+    return " && \\\n  ".join(parts)
+
+
+def train_draft(profile, data: Path, out: Path, shape: DraftShape, cfg: TrainConfig, say=print) -> dict:
+    from transformers import LlamaForCausalLM
+
+    from backends.native.engine import physical_cores
+
+    torch.set_num_threads(cfg.threads or physical_cores())
+    torch.use_deterministic_algorithms(True)
+    data_info = json.loads((data / INFO).read_text()) if (data / INFO).exists() else {}
+    examples = load_examples(data)
+    train_set, eval_set = split(examples, cfg.holdout, cfg.seed)
+    if not train_set:
+        raise BackendError(f"{data}: too few samples to train on ({len(examples)})")
+    embed, tcfg, tokenizer = target_parts(profile)
+    if max(int(e.tokens.max()) for e in examples) >= embed.shape[0]:
+        raise BackendError(f"{data}: token ids beyond the target's vocabulary; was it made with another target?")
+    state_dir = out / STATE_DIR
+    state_dir.mkdir(parents=True, exist_ok=True)
+    settings = {"shape": asdict(shape), "train": {k: v for k, v in asdict(cfg).items() if k not in
+                                                   ("stop_at", "checkpoint_every", "eval_every", "threads")},
+                "data": str(data), "target": profile.name, "samples": len(examples)}
+
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    model = LlamaForCausalLM(draft_config(shape, tcfg, tokenizer)).float()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(project_embedding(embed, shape.hidden, gen))
+    del embed
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step, wall = 0, 0.0
+    ckpt = state_dir / "checkpoint.pt"
+    if ckpt.exists():
+        st = torch.load(ckpt, weights_only=False)
+        if st["settings"] != settings:
+            raise BackendError(f"{out}: holds a training run with other settings; use another --out or delete "
+                               f"{state_dir}")
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step, wall = st["step"], st["wall_s"]
+        say(f"resuming from step {step} ({wall:.0f}s trained so far)")
+    log_path = out / LOG
+    if step == 0 and log_path.exists():
+        log_path.unlink()
+    plan = schedule(len(train_set), [len(e.tokens) for e in train_set], cfg.batch_tokens, cfg.seed, cfg.steps)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"draft model: {shape.layers} layers, hidden {shape.hidden}, {n_params / 1e6:.1f}M parameters; "
+        f"{len(train_set)} training / {len(eval_set)} held-out samples")
+
+    def log(rec: dict) -> None:
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def save_ckpt() -> None:
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "wall_s": wall,
+                    "settings": settings}, tmp)
+        tmp.replace(ckpt)
+
+    model.train()
+    started = time.perf_counter()
+    last = {}
+    with bar("training drafter", cfg.steps, step) as update:
+        while step < cfg.steps:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg)
+            loss, kl, ce, agree = losses(model, collate([train_set[i] for i in plan[step]]), cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            now = time.perf_counter()
+            wall += now - started
+            started = now
+            last = {"step": step, "loss": float(loss.detach()), "kl": float(kl), "ce": float(ce), "agree": float(agree),
+                    "lr": lr_at(step - 1, cfg), "wall_s": round(wall, 1)}
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                last |= evaluate(model, eval_set, cfg)
+            log(last)
+            update(status=f"loss {last['loss']:.3f} agree {float(agree):.2f}"
+                   + (f" held-out {last['eval_agree']:.2f}" if "eval_agree" in last else ""))
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                save_ckpt()
+            if cfg.stop_at is not None and step >= cfg.stop_at and step < cfg.steps:
+                save_ckpt()
+                say(f"stopped at step {step} (resume by running the same command)")
+                return last
+            started = time.perf_counter()
+    if "eval_agree" not in last and eval_set:
+        last |= evaluate(model, eval_set, cfg)
+    export(model, tokenizer, out)
+    write_card(out, profile, data_info, settings, shape, cfg, last, n_params, wall, len(train_set), len(eval_set),
+               retrain_command(profile, data, out, data_info, shape, cfg))
+    say(f"wrote {out} ({wall:.0f}s of training; held-out top-1 agreement {last.get('eval_agree', float('nan')):.3f})")
+    return last
+
+
+def export(model, tokenizer, out: Path) -> None:
+    """config.json, bfloat16 model.safetensors, tokenizer files, generation_config.json."""
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
+          if k != "lm_head.weight"}  # tied: the head is the embedding
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg["dtype"] = "bfloat16"
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    tokenizer.hf.save_pretrained(str(out))
+    eos = sorted(tokenizer.eos_ids)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": tokenizer.hf.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos}, indent=2))
+
+
+def write_card(out: Path, profile, data_info: dict, settings: dict, shape: DraftShape, cfg: TrainConfig,
+               last: dict, n_params: int, wall: float, n_train: int, n_eval: int, command: str) -> None:
+    size_mb = (out / "model.safetensors").stat().st_size / 1e6
+    prompts = ", ".join(Path(p).name for p in data_info.get("prompt_files", [])) or "?"
+    text = f"""# Draft model for `{profile.name}` ({profile.model})
+
+A small Llama-architecture draft model for lossless speculative decoding in specchat, with the
+target's own tokenizer. Trained by `specchat train draft` (distillation) on replies the target itself
+wrote with `specchat train data`.
+
+| | |
+|---|---|
+| shape | {shape.layers} layer(s), hidden {shape.hidden}, {shape.heads} heads ({shape.kv_heads} KV), FFN {shape.ffn}, tied embedding |
+| parameters | {n_params / 1e6:.2f} M ({size_mb:.1f} MB as bfloat16 safetensors) |
+| embedding init | the target's embedding, dequantized by the engine's loader{", projected onto its top " + str(shape.hidden) + " principal directions" if shape.hidden < 576 else ""} |
+| data | {n_train} training + {n_eval} held-out replies by the target to prompts from {prompts} (self-instruct, Apache-2.0); greedy={data_info.get('temperature', 0) == 0}, max {data_info.get('max_tokens', '?')} tokens, top-{data_info.get('top_k', '?')} log-probs kept |
+| loss | {cfg.kl_weight} x KL(target top-k || draft) + {cfg.ce_weight} x CE on the target's tokens |
+| optimiser | AdamW (0.9, 0.95), lr {cfg.lr} warmup {cfg.warmup:.0%} then cosine to 10%, grad-clip 1.0, ~{cfg.batch_tokens} tokens/step |
+| steps | {last.get('step', cfg.steps)} |
+| seed | {cfg.seed} (deterministic on CPU: `torch.use_deterministic_algorithms(True)`, fixed data order) |
+| training wall time | {wall:.0f} s on {platform.machine()} CPU, {torch.get_num_threads()} thread(s) (data generation not included) |
+| held-out (teacher-forced) | top-1 agreement with the target {last.get('eval_agree', float('nan')):.3f}, KL {last.get('eval_kl', float('nan')):.3f}, CE {last.get('eval_ce', float('nan')):.3f} |
+
+Spec-Bench was never used for training (it is refused by `specchat train data`); it is evaluation only.
+
+## Re-train
+
+```
+{command}
+```
+
+The training log (loss, agreement, held-out figures per step) is in `{LOG}`.
+"""
+    (out / "README.md").write_text(text)
+    (out / "training.json").write_text(json.dumps(settings | {"wall_s": round(wall, 1), "final": last}, indent=1))
+
+
+def clean_state(out: Path) -> None:
+    shutil.rmtree(out / STATE_DIR, ignore_errors=True)

@@ -1,0 +1,136 @@
+"""`specchat train data` then `specchat train draft` end to end on a tiny target, through the CLI."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from backends.base import Request, Sampling, run_to_summary
+from backends.native.engine import TorchBackend
+from backends.speculative.backend import SpeculativeBackend
+from backends.speculative.drafters import DraftModelDrafter, check_same_tokenizer
+from specchat.cli import main
+from tests.native.tiny import CORPUS, make_hf_checkpoint
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_hf_checkpoint(root / "target", "llama", seed=21)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in dict.fromkeys(CORPUS)) +
+                       json.dumps({"instruction": "say hello", "instances": [{"input": "to the world"}]}) + "\n")
+    return root, target, prompts
+
+
+@pytest.fixture
+def profile(tiny, isolated_dirs):
+    root, target, _ = tiny
+    d = Path(os.environ["SPECCHAT_PROFILES_DIR"])
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "tiny.yaml").write_text(f"backend: torch\nmodel: {target}\ndtype: float32\nthreads: 1\ncontext: 256\n")
+    return "tiny"
+
+
+def make_data(tiny, profile, out: Path, limit=None) -> None:
+    args = ["train", "data", "--target", profile, "--prompts", str(tiny[2]), "--out", str(out),
+            "--max-tokens", "12", "--top-k", "8"]
+    assert main(args + (["--limit", str(limit)] if limit else [])) == 0
+
+
+def train(tiny, profile, data: Path, out: Path, *extra) -> int:
+    return main(["train", "draft", "--data", str(data), "--target", profile, "--out", str(out), "--layers", "1",
+                 "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--ffn", "64", "--steps", str(STEPS),
+                 "--batch-tokens", "64", "--checkpoint-every", "2", "--eval-every", "3", "--seed", "5",
+                 "--threads", "1", *extra])
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory):
+    """Data and one trained drafter, shared by the tests below (made inside an isolated profile dir)."""
+    root = tmp_path_factory.mktemp("trained")
+    mp = pytest.MonkeyPatch()
+    for var in ("SPECCHAT_CONFIG_DIR", "SPECCHAT_DATA_DIR", "SPECCHAT_PROFILES_DIR"):
+        mp.setenv(var, str(root / var.lower()))
+    profiles = root / "specchat_profiles_dir"
+    profiles.mkdir()
+    (profiles / "tiny.yaml").write_text(f"backend: torch\nmodel: {tiny[1]}\ndtype: float32\nthreads: 1\ncontext: 256\n")
+    make_data(tiny, "tiny", root / "data")
+    assert train(tiny, "tiny", root / "data", root / "draft") == 0
+    mp.undo()
+    return root / "data", root / "draft"
+
+
+def test_data_is_resumable_and_complete(tiny, profile, tmp_path, capsys):
+    out = tmp_path / "data"
+    make_data(tiny, profile, out, limit=2)
+    first = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert len(first) == 2
+    make_data(tiny, profile, out)
+    manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert manifest[:2] == first and len(manifest) == len({m["id"] for m in manifest}) == 6
+    assert "2 already in" in capsys.readouterr().err
+    shard = load_file(str(out / manifest[0]["shard"]))
+    m = manifest[0]
+    reply = shard["tokens"][m["offset"] + m["prompt_len"]:m["offset"] + m["prompt_len"] + m["reply_len"]]
+    top = shard["topk_ids"][m["topk_offset"]:m["topk_offset"] + m["reply_len"]]
+    assert top.shape[1] == 8
+    assert (top[:, 0] == reply).all()  # greedy: the reply token is the target's top-1
+
+
+def test_data_refuses_spec_bench(profile, tmp_path, capsys):
+    bench = tmp_path / "question.jsonl"
+    bench.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["hi"]}) + "\n")
+    assert main(["train", "data", "--target", profile, "--prompts", str(bench), "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert "evaluation" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_trained_drafter_loads_and_matches_tokenizer(tiny, trained):
+    _, draft = trained
+    for name in ("config.json", "model.safetensors", "generation_config.json", "README.md", "tokenizer.json",
+                 "train-log.jsonl"):
+        assert (draft / name).exists(), name
+    target, engine = TorchBackend(tiny[1], "hf_dir", threads=1, context=256), TorchBackend(draft, "hf_dir", threads=1,
+                                                                                           context=256)
+    check_same_tokenizer(target, engine, "trained")
+    assert engine.model.cfg.n_layers == 1 and engine.model.cfg.dim == 32
+    log = [json.loads(line) for line in (draft / "train-log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, STEPS + 1)) and "eval_agree" in log[-1]
+    assert "specchat train draft" in (draft / "README.md").read_text()
+
+
+def test_speculative_with_trained_drafter_equals_target_only(tiny, trained):
+    target = TorchBackend(tiny[1], "hf_dir", precision="float32", threads=1, context=256)
+    drafter = DraftModelDrafter(TorchBackend(trained[1], "hf_dir", threads=1, context=256))
+    request = Request(messages=[{"role": "user", "content": CORPUS[0]}])
+    for sampling in (Sampling(max_tokens=30), Sampling(temperature=0.8, seed=2, max_tokens=30)):
+        ref = run_to_summary(target.stream(request, sampling))
+        out = run_to_summary(SpeculativeBackend(target, drafter, 3).stream(request, sampling))
+        assert out.token_ids == ref.token_ids and out.drafts > 0
+
+
+def test_training_is_deterministic_and_resumable(tiny, trained, profile, tmp_path, capsys):
+    data, reference = trained
+    want = load_file(str(reference / "model.safetensors"))
+    out = tmp_path / "resumed"
+    assert train(tiny, profile, data, out, "--stop-at", "3") == 0
+    assert not (out / "model.safetensors").exists()
+    assert train(tiny, profile, data, out) == 0
+    assert "resuming from step 3" in capsys.readouterr().err
+    got = load_file(str(out / "model.safetensors"))
+    assert want.keys() == got.keys()
+    for k in want:
+        assert (want[k] == got[k]).all(), k
+
+
+def test_missing_data_is_one_line(profile, tmp_path, capsys):
+    assert main(["train", "draft", "--data", str(tmp_path / "nothing"), "--target", profile,
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "train data" in err
