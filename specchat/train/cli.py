@@ -32,7 +32,22 @@ def cmd_draft(args) -> int:
                       kl_weight=args.kl_weight, ce_weight=args.ce_weight, checkpoint_every=args.checkpoint_every,
                       eval_every=args.eval_every, holdout=args.holdout, threads=args.threads,
                       stop_at=args.stop_at)
-    train_draft(_profile(args.target), Path(args.data), Path(args.out), shape, cfg, say=_say)
+    train_draft(_profile(args.target), [Path(d) for d in args.data], Path(args.out), shape, cfg, say=_say)
+    return 0
+
+
+def cmd_cost(args) -> int:
+    import json
+
+    from specchat.cli import _profile
+    from specchat.train.cost import measure
+    from specchat.train.draft import DraftShape
+
+    shapes = [DraftShape(layers=n, hidden=h, heads=max(1, h // 64), kv_heads=max(1, h // 128), ffn=3 * h)
+              for n in args.layers for h in args.hidden]
+    rows = measure(_profile(args.target), shapes, threads=args.threads, say=_say)
+    if args.json:
+        print(json.dumps(rows))
     return 0
 
 
@@ -56,7 +71,7 @@ def add_train_parser(sub) -> None:
     p.set_defaults(func=cmd_data)
 
     p = tsub.add_parser("draft", help="train a small Llama draft model on `train data` output")
-    p.add_argument("--data", required=True, help="directory written by `specchat train data`")
+    p.add_argument("--data", required=True, nargs="+", help="directories written by `specchat train data`")
     p.add_argument("--target", default="smollm2", help="target profile (tokenizer and embeddings come from it)")
     p.add_argument("--out", required=True, help="output model directory (checkpoints go to OUT/.train)")
     p.add_argument("--layers", type=int, default=1)
@@ -76,3 +91,11 @@ def add_train_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all physical cores)")
     p.add_argument("--stop-at", type=int, help=argparse.SUPPRESS)  # simulate an interruption (tests)
     p.set_defaults(func=cmd_draft)
+
+    p = tsub.add_parser("cost", help="measure per-token cost of drafter shapes next to the target's")
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--layers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--hidden", type=int, nargs="+", default=[128, 192, 256])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_cost)

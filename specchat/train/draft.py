@@ -116,25 +116,35 @@ class Example:
     topk_logp: torch.Tensor  # float32 [reply, k]
 
 
-def load_examples(data: Path) -> list[Example]:
+def load_examples(dirs: list[Path]) -> list[Example]:
+    """Every sample of the data directories (a prompt id seen twice is kept once), sorted by id."""
     from safetensors.torch import load_file
 
-    manifest = read_manifest(data)
-    if not manifest:
-        raise BackendError(f"{data}: no training samples (manifest.jsonl); run `specchat train data` first")
-    shards: dict[str, dict] = {}
-    out = []
-    for m in manifest:
-        if m["reply_len"] == 0:
-            continue
-        sh = shards.setdefault(m["shard"], load_file(str(data / m["shard"])))
-        n = m["prompt_len"] + m["reply_len"]
-        lo = m["topk_offset"]
-        out.append(Example(m["id"], sh["tokens"][m["offset"]:m["offset"] + n].long(), m["prompt_len"],
-                           sh["topk_ids"][lo:lo + m["reply_len"]].long(),
-                           sh["topk_logp"][lo:lo + m["reply_len"]].float()))
-    out.sort(key=lambda e: e.id)
-    return out
+    seen: dict[str, Example] = {}
+    for data in dirs:
+        manifest = read_manifest(data)
+        if not manifest:
+            raise BackendError(f"{data}: no training samples (manifest.jsonl); run `specchat train data` first")
+        shards: dict[str, dict] = {}
+        for m in manifest:
+            if m["reply_len"] == 0 or m["id"] in seen:
+                continue
+            sh = shards.setdefault(m["shard"], load_file(str(data / m["shard"])))
+            n = m["prompt_len"] + m["reply_len"]
+            lo = m["topk_offset"]
+            seen[m["id"]] = Example(m["id"], sh["tokens"][m["offset"]:m["offset"] + n].long(), m["prompt_len"],
+                                    sh["topk_ids"][lo:lo + m["reply_len"]].long(),
+                                    sh["topk_logp"][lo:lo + m["reply_len"]].float())
+    return [seen[k] for k in sorted(seen)]
+
+
+def data_info_of(dirs: list[Path]) -> dict:
+    """The first directory's settings, with the prompt files of all of them."""
+    infos = [json.loads((d / INFO).read_text()) for d in dirs if (d / INFO).exists()]
+    if not infos:
+        return {}
+    files = list(dict.fromkeys(f for i in infos for f in i.get("prompt_files", [])))
+    return infos[0] | {"prompt_files": files}
 
 
 def split(examples: list[Example], holdout: float, seed: int) -> tuple[list[Example], list[Example]]:
@@ -227,50 +237,54 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def retrain_command(profile, data: Path, out: Path, data_info: dict, shape: DraftShape, cfg: TrainConfig) -> str:
+def retrain_command(profile, data: list[Path], out: Path, data_info: dict, shape: DraftShape, cfg: TrainConfig) -> str:
     """The one shell command that makes this drafter again from scratch: data, then training."""
     parts = []
     if data_info:
         gen = (f"specchat train data --target {profile.name} --prompts {' '.join(data_info['prompt_files'])} "
-               f"--out {data} --max-tokens {data_info['max_tokens']} --top-k {data_info['top_k']}")
+               f"--out {data[0]} --max-tokens {data_info['max_tokens']} --top-k {data_info['top_k']}")
         if data_info.get("temperature"):
             gen += f" --temperature {data_info['temperature']} --seed {data_info['seed']}"
         if data_info.get("instances"):
             gen += " --instances"
         parts.append(gen)
-    parts.append(f"specchat train draft --data {data} --target {profile.name} --out {out} "
+    parts.append(f"specchat train draft --data {data[0] if data_info else ' '.join(map(str, data))} --target {profile.name} --out {out} "
                  f"--layers {shape.layers} --hidden {shape.hidden} --heads {shape.heads} --kv-heads {shape.kv_heads} "
                  f"--ffn {shape.ffn} --steps {cfg.steps} --batch-tokens {cfg.batch_tokens} --lr {cfg.lr} "
                  f"--kl-weight {cfg.kl_weight} --ce-weight {cfg.ce_weight} --holdout {cfg.holdout} --seed {cfg.seed}")
     return " && \\\n  ".join(parts)
 
 
-def train_draft(profile, data: Path, out: Path, shape: DraftShape, cfg: TrainConfig, say=print) -> dict:
+def train_draft(profile, data: list[Path], out: Path, shape: DraftShape, cfg: TrainConfig, say=print) -> dict:
     from transformers import LlamaForCausalLM
 
     from backends.native.engine import physical_cores
 
     torch.set_num_threads(cfg.threads or physical_cores())
     torch.use_deterministic_algorithms(True)
-    data_info = json.loads((data / INFO).read_text()) if (data / INFO).exists() else {}
+    data = [Path(d) for d in data]
+    data_info = data_info_of(data)
     examples = load_examples(data)
     train_set, eval_set = split(examples, cfg.holdout, cfg.seed)
     if not train_set:
-        raise BackendError(f"{data}: too few samples to train on ({len(examples)})")
+        raise BackendError(f"{data[0]}: too few samples to train on ({len(examples)})")
     embed, tcfg, tokenizer = target_parts(profile)
     if max(int(e.tokens.max()) for e in examples) >= embed.shape[0]:
-        raise BackendError(f"{data}: token ids beyond the target's vocabulary; was it made with another target?")
+        raise BackendError(f"{data[0]}: token ids beyond the target's vocabulary; was it made with another target?")
     state_dir = out / STATE_DIR
     state_dir.mkdir(parents=True, exist_ok=True)
     settings = {"shape": asdict(shape), "train": {k: v for k, v in asdict(cfg).items() if k not in
                                                    ("stop_at", "checkpoint_every", "eval_every", "threads")},
-                "data": str(data), "target": profile.name, "samples": len(examples)}
+                "data": [str(d) for d in data], "target": profile.name, "samples": len(examples)}
 
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     model = LlamaForCausalLM(draft_config(shape, tcfg, tokenizer)).float()
     with torch.no_grad():
-        model.get_input_embeddings().weight.copy_(project_embedding(embed, shape.hidden, gen))
+        emb = project_embedding(embed, shape.hidden, gen)
+        model.get_input_embeddings().weight.copy_(emb)
+        # start with logits of a sensible spread (std ~ 2) instead of the huge ones a unit norm gives
+        model.model.norm.weight.fill_(2.0 / (emb.std().item() * shape.hidden ** 0.5))
     del embed
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, wall = 0, 0.0
@@ -318,12 +332,12 @@ def train_draft(profile, data: Path, out: Path, shape: DraftShape, cfg: TrainCon
             now = time.perf_counter()
             wall += now - started
             started = now
-            last = {"step": step, "loss": float(loss.detach()), "kl": float(kl), "ce": float(ce), "agree": float(agree),
+            last = {"step": step, "loss": loss.item(), "kl": kl.item(), "ce": ce.item(), "agree": agree.item(),
                     "lr": lr_at(step - 1, cfg), "wall_s": round(wall, 1)}
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 last |= evaluate(model, eval_set, cfg)
             log(last)
-            update(status=f"loss {last['loss']:.3f} agree {float(agree):.2f}"
+            update(status=f"loss {last['loss']:.3f} agree {last['agree']:.2f}"
                    + (f" held-out {last['eval_agree']:.2f}" if "eval_agree" in last else ""))
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 save_ckpt()
