@@ -283,8 +283,8 @@ def train_draft(profile, data: list[Path], out: Path, shape: DraftShape, cfg: Tr
     with torch.no_grad():
         emb = project_embedding(embed, shape.hidden, gen)
         model.get_input_embeddings().weight.copy_(emb)
-        # start with logits of a sensible spread (std ~ 2) instead of the huge ones a unit norm gives
-        model.model.norm.weight.fill_(2.0 / (emb.std().item() * shape.hidden ** 0.5))
+        # start near uniform: a unit norm would give the input token itself a logit of ~2*sqrt(hidden)
+        model.model.norm.weight.fill_(2.0 / (emb.std().item() * shape.hidden))
     del embed
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, wall = 0, 0.0
