@@ -138,26 +138,27 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, start: int,
                 cos: Tensor, sin: Tensor, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """x: the float32 residual stream [K, dim]; updated in place and returned."""
         cfg = self.cfg
         K, H, Hkv, hd, eps = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         h = F.rms_norm(x, (cfg.dim,), self.attn_norm, eps).to(dtype)
-        qkv = self.qkv(h).view(K, H + 2 * Hkv, hd)
-        q, k, v = qkv.split((H, Hkv, Hkv), dim=1)
+        qkv = self.qkv(h).to(cache_k.dtype).view(K, H + 2 * Hkv, hd)
+        qk, v = qkv[:, :H + Hkv], qkv[:, H + Hkv:]
         if self.q_norm is not None:
-            q = F.rms_norm(q.float(), (hd,), self.q_norm, eps).to(dtype)
-            k = F.rms_norm(k.float(), (hd,), self.k_norm, eps).to(dtype)
+            qk = torch.cat([F.rms_norm(qk[:, :H], (hd,), self.q_norm, eps),
+                            F.rms_norm(qk[:, H:], (hd,), self.k_norm, eps)], dim=1)
         # rotate_half(x) * sin == roll(x, hd/2) * sin_signed, with the sign folded into the table
-        q = torch.addcmul(q * cos, q.roll(hd // 2, -1), sin)
-        k = torch.addcmul(k * cos, k.roll(hd // 2, -1), sin)
+        qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
         end = start + K
-        cache_k[0, :, start:end] = k.transpose(0, 1)
+        cache_k[0, :, start:end] = qk[:, H:].transpose(0, 1)
         cache_v[0, :, start:end] = v.transpose(0, 1)
-        a = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), cache_k[:, :, :end], cache_v[:, :, :end],
-                                           attn_mask=mask, enable_gqa=H != Hkv)
-        x = x + self.o(a[0].transpose(0, 1).reshape(K, H * hd)).float()
+        a = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1).unsqueeze(0), cache_k[:, :, :end],
+                                           cache_v[:, :, :end], attn_mask=mask, enable_gqa=H != Hkv)
+        x += self.o(a[0].transpose(0, 1).reshape(K, H * hd).to(dtype))
         h = F.rms_norm(x, (cfg.dim,), self.mlp_norm, eps).to(dtype)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up).float()
+        x += self.down(F.silu(gate).mul_(up))
+        return x
 
 
 class Transformer(nn.Module):
@@ -176,11 +177,13 @@ class Transformer(nn.Module):
 
     def setup_cache(self, max_len: int) -> None:
         """(Re)allocate the KV cache for `max_len` positions and the RoPE tables to match."""
-        self.cache = KVCache(self.cfg, max_len, self.dtype, self.device)
+        # float32 on CPU even for bfloat16 weights: CPU attention is faster over a float32 cache
+        cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        self.cache = KVCache(self.cfg, max_len, cache_dtype, self.device)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(self.cfg))
         cos, sin = freqs.cos(), freqs.sin()
-        self.rope_cos = torch.cat([cos, cos], -1).to(self.device, self.dtype)[:, None, :]
-        self.rope_sin = torch.cat([-sin, sin], -1).to(self.device, self.dtype)[:, None, :]
+        self.rope_cos = torch.cat([cos, cos], -1).to(self.device, cache_dtype)[:, None, :]
+        self.rope_sin = torch.cat([-sin, sin], -1).to(self.device, cache_dtype)[:, None, :]
 
     @property
     def max_len(self) -> int:
@@ -211,7 +214,7 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, self.cache.k[i], self.cache.v[i], start_pos, cos, sin, mask, self.dtype)
             if i in hidden_layers:
-                hidden[i] = x
+                hidden[i] = x.clone()  # x is updated in place by the next layer
         self.cache.length = end
         x = F.rms_norm(x if all_logits else x[-1:], (self.cfg.dim,), self.norm, self.cfg.norm_eps)
         if FINAL in hidden_layers:
