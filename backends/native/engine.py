@@ -72,7 +72,7 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, model_path: str | Path, kind: str = "auto", *, precision: str = "auto",
-                 device: str = "auto", threads: int = 0, context: int = 2048):
+                 device: str = "auto", threads: int = 0, context: int = 2048, compile: bool = False):
         path = Path(model_path)
         if kind == "auto":
             kind = "gguf" if path.suffix.lower() == ".gguf" else "hf_dir"
@@ -94,6 +94,8 @@ class TorchBackend(Backend):
         self.model: Transformer = build_model(ck, dtype, self._context, int4=self.precision == "int4",
                                               device=self.device)
         del ck
+        if self.device.type == "cuda" or compile:
+            self.model.use_static_shapes(compile=compile)
         self.tokenizer = ChatTokenizer(path)
         self.eos_ids: frozenset[int] = self.tokenizer.eos_ids
         self.load_s = time.perf_counter() - started

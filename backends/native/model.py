@@ -136,9 +136,10 @@ class Block(nn.Module):
         self.qkv, self.o, self.gate_up, self.down = w["qkv"], w["o"], w["gate_up"], w["down"]
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
 
-    def forward(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, start: int,
+    def forward(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, write: slice | Tensor, span: int,
                 cos: Tensor, sin: Tensor, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
-        """x: the float32 residual stream [K, dim]; updated in place and returned."""
+        """x: the float32 residual stream [K, dim], updated in place and returned. The new keys and
+        values go to cache positions `write`; attention reads cache positions [0, span)."""
         cfg = self.cfg
         K, H, Hkv, hd, eps = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         h = F.rms_norm(x, (cfg.dim,), self.attn_norm, eps).to(dtype)
@@ -149,11 +150,10 @@ class Block(nn.Module):
                             F.rms_norm(qk[:, H:], (hd,), self.k_norm, eps)], dim=1)
         # rotate_half(x) * sin == roll(x, hd/2) * sin_signed, with the sign folded into the table
         qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
-        end = start + K
-        cache_k[0, :, start:end] = qk[:, H:].transpose(0, 1)
-        cache_v[0, :, start:end] = v.transpose(0, 1)
-        a = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1).unsqueeze(0), cache_k[:, :, :end],
-                                           cache_v[:, :, :end], attn_mask=mask, enable_gqa=H != Hkv)
+        cache_k[0, :, write] = qk[:, H:].transpose(0, 1)
+        cache_v[0, :, write] = v.transpose(0, 1)
+        a = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1).unsqueeze(0), cache_k[:, :, :span],
+                                           cache_v[:, :, :span], attn_mask=mask, enable_gqa=H != Hkv)
         x += self.o(a[0].transpose(0, 1).reshape(K, H * hd).to(dtype))
         h = F.rms_norm(x, (cfg.dim,), self.mlp_norm, eps).to(dtype)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
@@ -173,7 +173,16 @@ class Transformer(nn.Module):
         self.norm = norm
         self.head = head
         self.device = embed.device
+        self.static = False  # see use_static_shapes
+        self._run_blocks = self._blocks
         self.setup_cache(max_len)
+
+    def use_static_shapes(self, compile: bool = False) -> None:
+        """Make every pass attend over the whole cache with a position mask (gpt-fast style), so
+        shapes depend only on K; with `compile`, the layers go through torch.compile
+        ("reduce-overhead": CUDA graphs on CUDA). The eager dynamic path stays the reference."""
+        self.static = True
+        self._run_blocks = torch.compile(self._blocks, mode="reduce-overhead") if compile else self._blocks
 
     def setup_cache(self, max_len: int) -> None:
         """(Re)allocate the KV cache for `max_len` positions and the RoPE tables to match."""
@@ -205,18 +214,29 @@ class Transformer(nn.Module):
             raise ValueError(f"positions {start_pos}..{end} do not fit a cache of length "
                              f"{self.cache.length} / {self.cache.max_len}")
         x = self.embed[tokens.reshape(-1)].float()
-        cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
-        mask = None
-        if K > 1:
-            rows = torch.arange(start_pos, end, device=self.device)[:, None]
-            mask = torch.arange(end, device=self.device)[None, :] <= rows
-        hidden: dict[int, Tensor] = {}
-        for i, block in enumerate(self.blocks):
-            x = block(x, self.cache.k[i], self.cache.v[i], start_pos, cos, sin, mask, self.dtype)
-            if i in hidden_layers:
-                hidden[i] = x.clone()  # x is updated in place by the next layer
+        if self.static:
+            write = torch.arange(start_pos, end, device=self.device)
+            span = self.cache.max_len
+            mask = torch.arange(span, device=self.device)[None, :] <= write[:, None]
+        else:
+            write, span = slice(start_pos, end), end
+            mask = None
+            if K > 1:
+                rows = torch.arange(start_pos, end, device=self.device)[:, None]
+                mask = torch.arange(end, device=self.device)[None, :] <= rows
+        x, hidden = self._run_blocks(x, write, span, self.rope_cos[write], self.rope_sin[write], mask,
+                                     tuple(hidden_layers))
         self.cache.length = end
         x = F.rms_norm(x if all_logits else x[-1:], (self.cfg.dim,), self.norm, self.cfg.norm_eps)
         if FINAL in hidden_layers:
             hidden[FINAL] = x
         return self.head(x.to(self.dtype)).float(), hidden
+
+    def _blocks(self, x: Tensor, write: slice | Tensor, span: int, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                hidden_layers: tuple[int, ...]) -> tuple[Tensor, dict[int, Tensor]]:
+        hidden: dict[int, Tensor] = {}
+        for i, block in enumerate(self.blocks):
+            x = block(x, self.cache.k[i], self.cache.v[i], write, span, cos, sin, mask, self.dtype)
+            if i in hidden_layers:
+                hidden[i] = x.clone()  # x is updated in place by the next layer
+        return x, hidden

@@ -87,3 +87,20 @@ def test_forward_beyond_the_cache_is_refused(pairs):
         engine.forward([1, 2], 3)  # a gap: positions 0..2 were never computed
     with pytest.raises(ValueError):
         engine.forward(list(range(97)), 0)  # longer than the cache
+
+
+def test_static_shapes_path_equals_dynamic_path(tiny_dirs):
+    """The static-shape path (for torch.compile / CUDA graphs) computes what the eager path does."""
+    dynamic = TorchBackend(tiny_dirs["qwen3"], precision="float32", context=48)
+    static = TorchBackend(tiny_dirs["qwen3"], precision="float32", context=48)
+    static.model.use_static_shapes(compile=False)
+    ids = dynamic.tokenize_chat(MESSAGES)
+    for engine in (dynamic, static):
+        engine.forward([9] * 40, 0)  # stale entries beyond the rollback point must be masked out
+        engine.truncate(0)
+    a, _ = dynamic.forward(ids, 0)
+    b, _ = static.forward(ids, 0)
+    assert torch.allclose(a, b, atol=1e-5)
+    a, _ = dynamic.forward([7], len(ids))
+    b, _ = static.forward([7], len(ids))
+    assert torch.allclose(a, b, atol=1e-5)
