@@ -28,6 +28,9 @@ from backends.native.weights import Checkpoint, Int4Rows, build_model, load_hf_d
 # What the torch engine computes with: a torch dtype for everything, or "int4": GGUF Q4_0/Q4_1
 # matrices on torch's group-wise int4 kernel with bfloat16 activations (CPU only).
 PRECISIONS = ("float32", "bfloat16", "float16", "int4")
+# Precisions whose CPU matmul kernels give each row the same bits whatever the number of rows, so
+# `forward(..., exact_rows=True)` over K tokens equals K single-token passes bit for bit.
+ROW_INVARIANT_PRECISIONS = ("bfloat16", "int4")
 
 
 def physical_cores() -> int:
@@ -117,20 +120,28 @@ class TorchBackend(Backend):
         return self._context
 
     @property
+    def rows_bitwise(self) -> bool:
+        """Whether forward(..., exact_rows=True) reproduces single-token passes bit for bit."""
+        return self.device.type == "cpu" and self.precision in ROW_INVARIANT_PRECISIONS and not self.model.static
+
+    @property
     def cache_len(self) -> int:
         return self.model.cache.length
 
     def forward(self, tokens: Sequence[int] | Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True) -> tuple[Tensor, dict[int, Tensor]]:
+                all_logits: bool = True, exact_rows: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
         """Run tokens at absolute positions start_pos.. (cache beyond start_pos is dropped first).
 
-        logits[i] is the distribution of the token at position start_pos + i + 1.
+        logits[i] is the distribution of the token at position start_pos + i + 1. hidden_layers:
+        layer indices (output of decoder layer i) and/or FINAL (-1, after the final norm).
+        exact_rows: see Transformer.forward; bitwise equal to single-token passes when
+        `self.rows_bitwise` is true.
         """
         if start_pos < self.cache_len:
             self.truncate(start_pos)
         ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
         t = torch.tensor([ids], dtype=torch.long, device=self.device)
-        logits, hidden = self.model(t, start_pos, hidden_layers, all_logits)
+        logits, hidden = self.model(t, start_pos, hidden_layers, all_logits, exact_rows)
         self.cached[start_pos:] = ids
         return logits, hidden
 

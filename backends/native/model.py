@@ -137,7 +137,7 @@ class Block(nn.Module):
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
 
     def forward(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, write: slice | Tensor, span: int,
-                cos: Tensor, sin: Tensor, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
+                cos: Tensor, sin: Tensor, mask: Tensor | None, dtype: torch.dtype, exact_rows: bool = False) -> Tensor:
         """x: the float32 residual stream [K, dim], updated in place and returned. The new keys and
         values go to cache positions `write`; attention reads cache positions [0, span)."""
         cfg = self.cfg
@@ -152,8 +152,15 @@ class Block(nn.Module):
         qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
         cache_k[0, :, write] = qk[:, H:].transpose(0, 1)
         cache_v[0, :, write] = v.transpose(0, 1)
-        a = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1).unsqueeze(0), cache_k[:, :, :span],
-                                           cache_v[:, :, :span], attn_mask=mask, enable_gqa=H != Hkv)
+        q = qk[:, :H].transpose(0, 1).unsqueeze(0)
+        if exact_rows and K > 1:  # each row exactly as a single-token pass computes it
+            first = span - K
+            a = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], cache_k[:, :, :first + i + 1],
+                                                          cache_v[:, :, :first + i + 1], enable_gqa=H != Hkv)
+                           for i in range(K)], dim=2)
+        else:
+            a = F.scaled_dot_product_attention(q, cache_k[:, :, :span], cache_v[:, :, :span], attn_mask=mask,
+                                               enable_gqa=H != Hkv)
         x += self.o(a[0].transpose(0, 1).reshape(K, H * hd).to(dtype))
         h = F.rms_norm(x, (cfg.dim,), self.mlp_norm, eps).to(dtype)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
@@ -200,14 +207,20 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True) -> tuple[Tensor, dict[int, Tensor]]:
+                all_logits: bool = True, exact_rows: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
         """Run tokens[1, K] at positions start_pos..start_pos+K-1 against cache[:start_pos].
 
         Returns float32 logits [K, vocab] (or [1, vocab] for the last position when
         all_logits is False) and the hidden states of the requested layers: key i is the
         output of decoder layer i, key FINAL (-1) the final hidden state after the norm.
         Afterwards the cache holds start_pos + K positions.
+
+        exact_rows: compute attention row by row with the single-token call, so that each row is
+        bitwise what K single-token passes give, wherever the matmul kernels are row-invariant
+        (int4 and bfloat16 on CPU are; float32 MKL is not, see ROW_INVARIANT_PRECISIONS in engine.py).
         """
+        if exact_rows and self.static:
+            raise ValueError("exact_rows needs the dynamic (eager) path")
         K = tokens.shape[-1]
         end = start_pos + K
         if start_pos > self.cache.length or end > self.cache.max_len:
@@ -225,7 +238,7 @@ class Transformer(nn.Module):
                 rows = torch.arange(start_pos, end, device=self.device)[:, None]
                 mask = torch.arange(end, device=self.device)[None, :] <= rows
         x, hidden = self._run_blocks(x, write, span, self.rope_cos[write], self.rope_sin[write], mask,
-                                     tuple(hidden_layers))
+                                     tuple(hidden_layers), exact_rows)
         self.cache.length = end
         x = F.rms_norm(x if all_logits else x[-1:], (self.cfg.dim,), self.norm, self.cfg.norm_eps)
         if FINAL in hidden_layers:
@@ -233,10 +246,10 @@ class Transformer(nn.Module):
         return self.head(x.to(self.dtype)).float(), hidden
 
     def _blocks(self, x: Tensor, write: slice | Tensor, span: int, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                hidden_layers: tuple[int, ...]) -> tuple[Tensor, dict[int, Tensor]]:
+                hidden_layers: tuple[int, ...], exact_rows: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
         hidden: dict[int, Tensor] = {}
         for i, block in enumerate(self.blocks):
-            x = block(x, self.cache.k[i], self.cache.v[i], write, span, cos, sin, mask, self.dtype)
+            x = block(x, self.cache.k[i], self.cache.v[i], write, span, cos, sin, mask, self.dtype, exact_rows)
             if i in hidden_layers:
                 hidden[i] = x.clone()  # x is updated in place by the next layer
         return x, hidden

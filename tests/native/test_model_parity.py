@@ -104,3 +104,20 @@ def test_static_shapes_path_equals_dynamic_path(tiny_dirs):
     a, _ = dynamic.forward([7], len(ids))
     b, _ = static.forward([7], len(ids))
     assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "int4"])
+def test_exact_rows_block_is_bitwise_equal_to_single_token_passes(tiny_ggufs, precision):
+    """What makes greedy speculative output identical to target-only: the verify pass over K
+    tokens gives each position the very bits a single-token decode pass gives."""
+    engine = TorchBackend(tiny_ggufs["Q4_1"], precision=precision, context=64)
+    assert engine.rows_bitwise
+    ids = engine.tokenize_chat(MESSAGES)
+    prefix, block = ids[:-7], ids[-7:]
+    engine.forward(prefix, 0)
+    block_logits, block_hidden = engine.forward(block, len(prefix), hidden_layers=(1, FINAL), exact_rows=True)
+    engine.truncate(len(prefix))
+    singles = [engine.forward([t], len(prefix) + i, hidden_layers=(1, FINAL)) for i, t in enumerate(block)]
+    assert torch.equal(block_logits, torch.cat([s[0] for s in singles]))
+    assert torch.equal(block_hidden[FINAL], torch.cat([s[1][FINAL] for s in singles]))
+    assert torch.equal(block_hidden[1], torch.cat([s[1][1] for s in singles]))
