@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -132,8 +133,10 @@ def main() -> None:
         print(json.dumps(run(args.model, setting, args.tokens, args.threads, args.repeats)))
         return
     bandwidth = memory_bandwidth_gbs()
+    load = os.getloadavg()[0]
     print(f"model: {args.model}\nmemory read bandwidth: {bandwidth:.1f} GB/s; {args.tokens} tokens, "
-          f"best of {args.repeats}\n")
+          f"best of {args.repeats}; load average {load:.1f} on {os.cpu_count()} CPUs "
+          f"(other work on the machine slows every row)\n")
     print(f"{'row':24} {'decode tok/s':>12} {'load s':>7} {'peak RSS MB':>12}  single-token forward")
     for row in args.rows:
         cmd = [sys.executable, __file__, "--model", args.model, "--tokens", str(args.tokens), "--threads",

@@ -108,3 +108,13 @@ def test_second_turn_reuses_the_cache_and_matches_a_fresh_engine(engine, tiny_di
         del engine.model.forward
     assert calls[0] == (common, len(prompt) - common)  # only the new part was prefilled
     assert reply.token_ids == fresh_reply(tiny_dirs, Request(messages=turn2), Sampling(max_tokens=8)).token_ids
+
+
+def test_transformers_reference_backend_streams_the_same_reply(tiny_dirs, engine):
+    from backends.hf_reference import TransformersBackend
+
+    reference = TransformersBackend(tiny_dirs["llama"], context=64)
+    for s in (Sampling(max_tokens=12), Sampling(temperature=0.8, top_k=20, seed=5, max_tokens=12)):
+        ours = run_to_summary(engine.stream(Request(messages=HELLO), s))
+        theirs = run_to_summary(reference.stream(Request(messages=HELLO), s))
+        assert theirs.token_ids == ours.token_ids and theirs.stop_reason == ours.stop_reason
