@@ -211,8 +211,8 @@ class Transformer(nn.Module):
         """Run tokens[1, K] at positions start_pos..start_pos+K-1 against cache[:start_pos].
 
         Returns float32 logits [K, vocab] (or [1, vocab] for the last position when
-        all_logits is False) and the hidden states of the requested layers: key i is the
-        output of decoder layer i, key FINAL (-1) the final hidden state after the norm.
+        all_logits is False) and the float32 hidden states [K, dim] of the requested layers:
+        key i is the output of decoder layer i, key FINAL (-1) the final hidden state after the norm.
         Afterwards the cache holds start_pos + K positions.
 
         exact_rows: compute attention row by row with the single-token call, so that each row is
@@ -240,9 +240,11 @@ class Transformer(nn.Module):
         x, hidden = self._run_blocks(x, write, span, self.rope_cos[write], self.rope_sin[write], mask,
                                      tuple(hidden_layers), exact_rows)
         self.cache.length = end
-        x = F.rms_norm(x if all_logits else x[-1:], (self.cfg.dim,), self.norm, self.cfg.norm_eps)
         if FINAL in hidden_layers:
-            hidden[FINAL] = x
+            x = hidden[FINAL] = F.rms_norm(x, (self.cfg.dim,), self.norm, self.cfg.norm_eps)
+            x = x if all_logits else x[-1:]
+        else:
+            x = F.rms_norm(x if all_logits else x[-1:], (self.cfg.dim,), self.norm, self.cfg.norm_eps)
         return self.head(x.to(self.dtype)).float(), hidden
 
     def _blocks(self, x: Tensor, write: slice | Tensor, span: int, cos: Tensor, sin: Tensor, mask: Tensor | None,

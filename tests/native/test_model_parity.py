@@ -33,6 +33,9 @@ def test_logits_and_hidden_states_match_transformers(pairs, layout):
     assert torch.allclose(hidden[0], ref.hidden_states[1][0], atol=1e-5)
     assert torch.allclose(hidden[1], ref.hidden_states[2][0], atol=1e-5)
     assert torch.allclose(hidden[FINAL], ref.hidden_states[-1][0], atol=1e-5)
+    engine.truncate(0)
+    last_logits, last_hidden = engine.forward(ids, 0, hidden_layers=(FINAL,), all_logits=False)
+    assert torch.allclose(last_logits, logits[-1:], atol=1e-5) and last_hidden[FINAL].shape == (len(ids), hf.config.hidden_size)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
