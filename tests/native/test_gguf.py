@@ -79,7 +79,7 @@ def test_int4_model_is_close_to_dequantized_float32(tiny_ggufs):
 
 def test_auto_precision_picks_int4_for_q4_gguf_on_cpu(tiny_ggufs):
     assert TorchBackend(tiny_ggufs["Q4_1"], context=32).precision == "int4"
-    assert TorchBackend(tiny_ggufs["F32"], context=32).precision == "bfloat16"
+    assert TorchBackend(tiny_ggufs["F32"], context=32).precision == "float32"
 
 
 def test_gguf_tokenizer_is_cached_and_identical(tiny_ggufs, tmp_path, monkeypatch):
