@@ -102,3 +102,17 @@ def test_unsupported_or_broken_gguf_is_one_clear_line(tmp_path):
     with pytest.raises(BackendError) as e:
         load_gguf(bad)
     assert "broken.gguf" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_weights_are_refused_not_ignored(tiny_dirs, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "extra"
+    shutil.copytree(tiny_dirs["llama"], d)
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(BackendError, match="o_proj.bias"):
+        load_hf_dir(d)
