@@ -154,16 +154,27 @@ class TorchBackend(Backend):
     def sample(self, logits: Tensor, positions: Sequence[int] | Tensor, sampling: Sampling) -> Tensor:
         return sampler.sample(logits, positions, sampling)
 
+    def probs(self, logits: Tensor, sampling: Sampling) -> Tensor:
+        """The distribution `sample` draws from (for rejection sampling)."""
+        return sampler.probs(logits, sampling)
+
     def prefill(self, prompt: Sequence[int]) -> Tensor:
         """Bring the cache to `prompt`, reusing the longest common prefix with what is cached.
         Returns the logits [1, vocab] for the token after the prompt."""
+        return self.prefill_with_hidden(prompt)[0]
+
+    def prefill_with_hidden(self, prompt: Sequence[int], hidden_layers: tuple[int, ...] = ()
+                            ) -> tuple[Tensor, dict[int, Tensor], int]:
+        """prefill, also returning the hidden states of the positions it computed and where they
+        start: (logits [1, vocab], {layer: [len(prompt) - start, dim]}, start). Positions before
+        `start` were reused from the cache."""
         self.check_fits(len(prompt))
-        reuse = 0
+        start = 0
         limit = min(len(prompt) - 1, len(self.cached))  # at least one token is run to get logits
-        while reuse < limit and self.cached[reuse] == prompt[reuse]:
-            reuse += 1
-        logits, _ = self.forward(prompt[reuse:], reuse, all_logits=False)
-        return logits
+        while start < limit and self.cached[start] == prompt[start]:
+            start += 1
+        logits, hidden = self.forward(prompt[start:], start, hidden_layers, all_logits=False)
+        return logits, hidden, start
 
     # ---- the Backend interface ----
 
