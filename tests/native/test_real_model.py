@@ -42,3 +42,15 @@ def test_greedy_reply_is_sensible(real_gguf, fp32_engine, precision):
     summary = run_to_summary(engine.stream(Request(messages=QUESTION), Sampling(max_tokens=40)))
     assert summary.stop_reason == STOP_EOS
     assert "Paris" in summary.text
+
+
+def test_int4_verify_block_is_bitwise_a_decode_pass(real_gguf):
+    engine = TorchBackend(real_gguf, precision="int4", context=256)
+    assert engine.rows_bitwise
+    ids = engine.tokenize_chat(QUESTION)
+    engine.forward(ids, 0)
+    block = [504, 3458, 282, 4649, 314, 216]
+    logits, _ = engine.forward(block, len(ids), exact_rows=True)
+    engine.truncate(len(ids))
+    singles = torch.cat([engine.forward([t], len(ids) + i)[0] for i, t in enumerate(block)])
+    assert torch.equal(logits, singles)
