@@ -44,7 +44,9 @@ class SpeculativeConfig(_Strict):
     acceptance: Literal["exact", "rejection"] = "exact"
     ngram_max: int = Field(3, ge=1, le=16)
     ngram_min: int = Field(1, ge=1, le=16)
-    strict: bool = False  # verify with the same arithmetic as target-only decoding
+    # Verify with exactly the arithmetic of target-only decoding (row by row): true requires it,
+    # false turns it off, auto (unset) uses it where the kernels make it possible.
+    strict: Optional[bool] = None
 
     @model_validator(mode="after")
     def _check(self):

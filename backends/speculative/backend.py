@@ -14,7 +14,9 @@ class SpeculativeBackend(Backend):
     name = "torch"
 
     def __init__(self, target: TorchBackend, drafter: Drafter, depth: int, acceptance: str = "exact",
-                 strict: bool = False):
+                 strict: bool | None = False):
+        if strict is None:  # auto
+            strict = target.rows_bitwise
         if strict and not target.rows_bitwise:
             raise BackendError(f"strict verification needs row-invariant kernels (int4 or bfloat16 on CPU), "
                                f"but the target runs {target.precision} on {target.device.type}; "
