@@ -31,7 +31,7 @@ def cmd_draft(args) -> int:
     cfg = TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
                       kl_weight=args.kl_weight, ce_weight=args.ce_weight, checkpoint_every=args.checkpoint_every,
                       eval_every=args.eval_every, holdout=args.holdout, threads=args.threads,
-                      stop_at=args.stop_at)
+                      stop_at=args.stop_at, freeze_embedding=args.freeze_embedding)
     train_draft(_profile(args.target), [Path(d) for d in args.data], Path(args.out), shape, cfg, say=_say)
     return 0
 
@@ -85,6 +85,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--kl-weight", type=float, default=1.0, help="weight of KL to the target's top-k distribution")
     p.add_argument("--ce-weight", type=float, default=0.5, help="weight of cross-entropy on the target's tokens")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--freeze-embedding", action="store_true",
+                   help="keep the projected target embedding (and tied head) fixed; trains only the layers")
     p.add_argument("--holdout", type=float, default=0.05, help="share of samples held out for evaluation")
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=100)

@@ -54,6 +54,7 @@ class TrainConfig:
     holdout: float = 0.05
     threads: int = 0
     warmup: float = 0.05
+    freeze_embedding: bool = False  # keep the (projected) target embedding and tied head fixed
     stop_at: int | None = None  # stop (as if interrupted) after this step; for resume tests
 
 
@@ -251,7 +252,8 @@ def retrain_command(profile, data: list[Path], out: Path, data_info: dict, shape
     parts.append(f"specchat train draft --data {data[0] if data_info else ' '.join(map(str, data))} --target {profile.name} --out {out} "
                  f"--layers {shape.layers} --hidden {shape.hidden} --heads {shape.heads} --kv-heads {shape.kv_heads} "
                  f"--ffn {shape.ffn} --steps {cfg.steps} --batch-tokens {cfg.batch_tokens} --lr {cfg.lr} "
-                 f"--kl-weight {cfg.kl_weight} --ce-weight {cfg.ce_weight} --holdout {cfg.holdout} --seed {cfg.seed}")
+                 f"--kl-weight {cfg.kl_weight} --ce-weight {cfg.ce_weight} --holdout {cfg.holdout} --seed {cfg.seed}"
+                 + (" --freeze-embedding" if cfg.freeze_embedding else ""))
     return " && \\\n  ".join(parts)
 
 
@@ -283,10 +285,12 @@ def train_draft(profile, data: list[Path], out: Path, shape: DraftShape, cfg: Tr
     with torch.no_grad():
         emb = project_embedding(embed, shape.hidden, gen)
         model.get_input_embeddings().weight.copy_(emb)
-        # start near uniform: a unit norm would give the input token itself a logit of ~2*sqrt(hidden)
-        model.model.norm.weight.fill_(2.0 / (emb.std().item() * shape.hidden))
+        # logits of the target's order of magnitude (a unit norm gives huge ones; a near-uniform start
+        # makes Adam spend hundreds of steps growing the norm)
+        model.model.norm.weight.fill_(2.0 / (emb.std().item() * shape.hidden ** 0.5))
     del embed
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    model.get_input_embeddings().weight.requires_grad_(not cfg.freeze_embedding)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, wall = 0, 0.0
     ckpt = state_dir / "checkpoint.pt"
     if ckpt.exists():
@@ -326,7 +330,7 @@ def train_draft(profile, data: list[Path], out: Path, shape: DraftShape, cfg: Tr
             loss, kl, ce, agree = losses(model, collate([train_set[i] for i in plan[step]]), cfg)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
             opt.step()
             step += 1
             now = time.perf_counter()
@@ -386,7 +390,7 @@ wrote with `specchat train data`.
 |---|---|
 | shape | {shape.layers} layer(s), hidden {shape.hidden}, {shape.heads} heads ({shape.kv_heads} KV), FFN {shape.ffn}, tied embedding |
 | parameters | {n_params / 1e6:.2f} M ({size_mb:.1f} MB as bfloat16 safetensors) |
-| embedding init | the target's embedding, dequantized by the engine's loader{", projected onto its top " + str(shape.hidden) + " principal directions" if shape.hidden < 576 else ""} |
+| embedding | {"frozen: " if cfg.freeze_embedding else "trained, initialised from "}the target's embedding, dequantized by the engine's loader{", projected onto its top " + str(shape.hidden) + " principal directions" if shape.hidden < 576 else ""} |
 | data | {n_train} training + {n_eval} held-out replies by the target to prompts from {prompts} (self-instruct, Apache-2.0); greedy={data_info.get('temperature', 0) == 0}, max {data_info.get('max_tokens', '?')} tokens, top-{data_info.get('top_k', '?')} log-probs kept |
 | loss | {cfg.kl_weight} x KL(target top-k || draft) + {cfg.ce_weight} x CE on the target's tokens |
 | optimiser | AdamW (0.9, 0.95), lr {cfg.lr} warmup {cfg.warmup:.0%} then cosine to 10%, grad-clip 1.0, ~{cfg.batch_tokens} tokens/step |
