@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Held-out evaluation of the shipped SmolLM2 drafter: Spec-Bench prompts (evaluation only), depths 1..6,
 # greedy and temperature 0.7, plus the lossless check. Writes bench-*.json and verify-*.json into OUT.
-#   scripts/bench-drafter-depths.sh OUT [LIMIT] [MAX_TOKENS] [THREADS] [DEPTHS] [TEMPS]
+#   [TEMP_LIMIT=N] [VERIFY_LIMIT=N] [VERIFY_DEPTH=D] scripts/bench-drafter-depths.sh OUT [LIMIT] [MAX_TOKENS] [THREADS] [DEPTHS] [TEMPS]
 set -euo pipefail
 out=${1:?output directory}; limit=${2:-24}; max_tokens=${3:-64}; threads=${4:-1}
 depths=${5:-"1 2 3 4 5 6"}; temps=${6:-"0 0.7"}
@@ -19,10 +19,9 @@ for d in $depths; do
 done
 cd "$root"
 for t in $temps; do
-  python3 -m specchat.cli bench "${args[@]}" --prompts "$prompts" --limit "$limit" --max-tokens "$max_tokens" \
+  lim=$limit; [ "$t" != 0 ] && lim=${TEMP_LIMIT:-$limit}
+  python3 -m specchat.cli bench "${args[@]}" --prompts "$prompts" --limit "$lim" --max-tokens "$max_tokens" \
     --temperature "$t" --json > "$out/bench-t$t.json"
+  python3 -m specchat.cli verify -p "draft-d${VERIFY_DEPTH:-4}" --prompts "$prompts" --limit "${VERIFY_LIMIT:-12}" \
+    --max-tokens "$max_tokens" --temperature "$t" --json > "$out/verify-t$t.json" || true
 done
-python3 -m specchat.cli verify -p draft-d4 --prompts "$prompts" --limit "${VERIFY_LIMIT:-12}" --max-tokens "$max_tokens" \
-  --json > "$out/verify-greedy.json" || true
-python3 -m specchat.cli verify -p draft-d4 --prompts "$prompts" --limit "${VERIFY_LIMIT:-12}" --max-tokens "$max_tokens" \
-  --temperature 0.7 --json > "$out/verify-t0.7.json" || true
