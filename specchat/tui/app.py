@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import sys
 from functools import partial
 from typing import Callable, Iterable, Optional
 
@@ -18,6 +19,7 @@ from specchat.profiles import Profile, ProfileError, ProfileSet, load_profiles
 from specchat.tui.chat_screen import ChatScreen
 
 BackendLoader = Callable[[Profile], Backend]
+ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 
 def profile_line(p: Profile) -> str:
@@ -77,12 +79,18 @@ class SpecChatApp(App):
 
     # ------------------------------------------------------------------ lifecycle
     def on_mount(self) -> None:
+        # The engine thread needs the GIL briefly between native passes; with Python's default
+        # 5 ms switch interval a busy render can hold it that long every pass. A short interval
+        # hands it over within ~0.5 ms (measured by scripts/tui_throughput.py).
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
         self.push_screen(ChatScreen())
         if self._history_error:
             self.notify(self._history_error, severity="warning", timeout=10)
         self.switch_profile(self.initial_profile, then_ab=self.start_ab)
 
     def on_unmount(self) -> None:
+        sys.setswitchinterval(self._switch_interval)
         if self.backend is not None:
             try:
                 self.backend.close()

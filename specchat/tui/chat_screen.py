@@ -192,26 +192,33 @@ class ChatScreen(Screen):
 
     async def _finish(self, end) -> None:
         self._timer.pause()
-        self.generating = False
-        reply, self.reply = self.reply, None
+        try:
+            await self._complete(end)
+        finally:
+            self.reply = None
+            self.generating = False  # only now: new chat / regenerate must not race the final render
+
+    async def _complete(self, end) -> None:
+        reply = self.reply
         app = self.app
         if isinstance(end, Failed):
             app.notify(end.message, severity="error", timeout=10)
             if reply is not None and not reply.text:
                 await reply.remove()
                 return
-            await reply.finish(note="stopped by an error")
             app.conv.add("assistant", reply.text, profile=self._reply_profile, stats={"error": end.message})
             self._shown_version = app.conv.version
+            await reply.finish(note="stopped by an error")
             return
         self.live.finish(end)
-        await reply.finish(end.text or None, note=summary_note(end))
-        if reply.text:
-            app.conv.add("assistant", reply.text, profile=self._reply_profile, stats=stats_dict(end))
+        app.last_summary = end
+        text = end.text or reply.text
+        if text:  # saved before the final render: a crash now loses nothing
+            app.conv.add("assistant", text, profile=self._reply_profile, stats=stats_dict(end))
+            self._shown_version = app.conv.version
+            await reply.finish(text, note=summary_note(end))
         else:
             await reply.remove()
-        self._shown_version = app.conv.version
-        app.last_summary = end
 
     # ----------------------------------------------------------------------- actions
     def action_stop(self) -> None:

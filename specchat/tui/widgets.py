@@ -130,7 +130,7 @@ class AssistantMessage(Vertical):
 
     async def flush(self) -> None:
         """Show what was recorded since the last frame: one Markdown append, not one per token."""
-        if not self._pending:
+        if not self._pending or not self.is_attached:
             return
         chunk = "".join(self._pending)
         self._pending.clear()
@@ -151,10 +151,13 @@ class AssistantMessage(Vertical):
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
-        await self.query_one(".reply-md", Markdown).update(self.tokens.text)
         self.note = note
-        self.query_one(".reply-note", Label).update(note)
-        self._apply_mode()
+        if not self.is_attached:
+            return  # removed while streaming (new chat): nothing to draw
+        await self.query_one(".reply-md", Markdown).update(self.tokens.text)
+        if self.is_attached and self.query(".reply-note"):
+            self.query_one(".reply-note", Label).update(note)
+            self._apply_mode()
 
 
 class StatusBar(Horizontal):
