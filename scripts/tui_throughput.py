@@ -106,7 +106,8 @@ async def tui_runs(backend: Backend, base: str, profile: Profile, runs: int, hea
             await pilot.press("enter")
             await pilot.pause(0.05)
             while chat.generating:
-                await pilot.pause(0.05)
+                # plain sleep: Pilot.pause would force an extra screen update each time
+                await asyncio.sleep(0.05)
             tui.append(app.last_summary)
             # a headless run between TUI runs, with the app idle (it only ticks its timers)
             head.append(headless_between())

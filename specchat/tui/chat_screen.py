@@ -247,7 +247,6 @@ class ChatScreen(Screen):
         self.live = None
         await self.rebuild()
         self.refresh_status()
-        self.app.notify("new chat")
 
     def action_system_prompt(self) -> None:
         from specchat.tui.widgets import SystemPromptModal

@@ -166,7 +166,7 @@ class StatusBar(Horizontal):
         yield Sparkline([], id="status-spark")
 
     def show(self, text: str | Content, per_pass: Optional[list[int]] = None) -> None:
-        self.query_one("#status-text", Static).update(text)
+        self.query_one("#status-text", Static).update(text, layout=False)  # fixed size: no relayout
         spark = self.query_one("#status-spark", Sparkline)
         spark.display = bool(per_pass)
         if per_pass:
