@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from functools import partial
 from typing import TYPE_CHECKING, Optional
 
@@ -54,9 +55,6 @@ class ABPane(Vertical):
         if self.side == "spec":
             yield Sparkline([], classes="ab-spark")
 
-    def on_mount(self) -> None:
-        self.query_one(".ab-body").anchor()
-
     def reset(self, state: str) -> None:
         self.tokens = TokenText()
         self.live = LiveStats()
@@ -66,8 +64,12 @@ class ABPane(Vertical):
         self.render_stats()
 
     def render_text(self) -> None:
+        body = self.query_one(".ab-body", VerticalScroll)
+        follow = body.max_scroll_y - body.scroll_y <= 2
         self.query_one(".ab-text", Static).update(
             self.tokens.content(origin=self.side == "spec", diverge_at=self.diverge_at))
+        if follow:
+            body.scroll_end(animate=False)
 
     def render_stats(self) -> None:
         live = self.live
@@ -213,7 +215,7 @@ class ABScreen(Screen):
             def sequential():
                 spec()
                 if not cancel.is_set():
-                    q.put(Item((rid, "ref-start"), None, 0.0))
+                    q.put(Item((rid, "ref-start"), None, time.perf_counter()))
                     ref()
                 else:
                     ref_cancelled = Failed("not run: stopped")
@@ -233,7 +235,7 @@ class ABScreen(Screen):
                 continue
             if side == "ref-start":
                 pane = self.panes["ref"]
-                pane.live = LiveStats()
+                pane.live = LiveStats(started=item.at)
                 pane.state = "running"
                 touched.add("ref")
                 continue

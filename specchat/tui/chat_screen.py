@@ -78,7 +78,6 @@ class ChatScreen(Screen):
 
     def on_mount(self) -> None:
         self._timer = self.set_interval(FRAME_S, self._drain, pause=True)
-        self.query_one("#conversation").anchor()
         self.query_one("#prompt").focus()
         self.refresh_status()
 
@@ -157,7 +156,7 @@ class ChatScreen(Screen):
         self.live = LiveStats()
         self.reply = AssistantMessage(show_origin=app.show_origin)
         await self.query_one("#conversation").mount(self.reply)
-        self.query_one("#conversation").anchor()
+        self.query_one("#conversation").scroll_end(animate=False)
         self.generating = True
         self._reply_profile = profile.name
         self.run_worker(partial(pump, backend, request, sampling_of(profile), self.cancel, self.events,
@@ -185,7 +184,11 @@ class ChatScreen(Screen):
             if ev.text and reply is not None:
                 reply.record(ev.text, item.draft_chars)
         if reply is not None:
+            box = self.query_one("#conversation", VerticalScroll)
+            follow = box.max_scroll_y - box.scroll_y <= 3  # the user has not scrolled up
             await reply.flush()
+            if follow:
+                box.scroll_end(animate=False)
         if end is not None:
             await self._finish(end)
         self.refresh_status()
