@@ -16,15 +16,19 @@ class IncrementalDetokenizer:
         self.decode = decode
         self.ids: list[int] = []
         self.prefix = 0  # start of the context window
-        self.read = 0  # tokens whose text has already been emitted
+        self.read = 0  # tokens whose text has been emitted completely
+        self.held = 0  # characters already emitted from tokens past `read` (before a split character)
 
     def add(self, token_ids: Sequence[int]) -> str:
         self.ids.extend(token_ids)
         done = self.decode(self.ids[self.prefix:self.read])
         full = self.decode(self.ids[self.prefix:])
-        if full.endswith("\ufffd"):
-            return ""  # wait for the rest of the character
-        delta = full[len(done):]
+        new = full[len(done):]
+        if full.endswith("\ufffd"):  # the last character is incomplete: emit up to it and wait
+            stable = new.rstrip("\ufffd")
+            delta, self.held = stable[self.held:], max(self.held, len(stable))
+            return delta
+        delta, self.held = new[self.held:], 0
         self.read = len(self.ids)
         self.prefix = max(0, self.read - _WINDOW)
         return delta
@@ -36,4 +40,5 @@ class IncrementalDetokenizer:
         done = self.decode(self.ids[self.prefix:self.read])
         full = self.decode(self.ids[self.prefix:])
         self.read = len(self.ids)
-        return full[len(done):]
+        delta, self.held = full[len(done):][self.held:], 0
+        return delta

@@ -22,6 +22,56 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+_PROBE = r"""
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+llm.eval(llm.tokenize(b"probe the batch path", add_bos=False))
+"""
+
+
+def extra_buffers_work(gguf_path: Path) -> bool:
+    """Whether llama.cpp's extra CPU buffer types (AMX, repacked weights) survive a batched eval.
+
+    A native build can pick the AMX path on CPUs that advertise AMX where it then segfaults on
+    any multi-token batch (seen on this project's CI machines). We probe once per llama.cpp
+    version in a child process and remember the answer; without them llama.cpp stays correct,
+    just without those kernels."""
+    import subprocess
+    import sys
+
+    import llama_cpp
+
+    from specchat import paths
+
+    marker = paths.cache_dir() / f"llamacpp-{llama_cpp.__version__}-extra-buffers"
+    ok_file, broken_file = Path(f"{marker}.ok"), Path(f"{marker}.broken")
+    if ok_file.exists() or broken_file.exists():
+        return ok_file.exists()
+    done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf_path)], capture_output=True, timeout=300)
+    ok = done.returncode == 0
+    (ok_file if ok else broken_file).touch()
+    return ok
+
+
+@contextlib.contextmanager
+def _without_extra_buffers():
+    """llama-cpp-python has no argument for `use_extra_bufts`; switch the default off while loading."""
+    import llama_cpp.llama as module
+
+    original = module.llama_cpp.llama_model_default_params
+
+    def params():
+        p = original()
+        p.use_extra_bufts = False
+        return p
+
+    module.llama_cpp.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        module.llama_cpp.llama_model_default_params = original
+
+
 @contextlib.contextmanager
 def _quiet_stderr():
     """llama.cpp prints its load log straight to fd 2; keep the terminal clean."""
@@ -47,8 +97,9 @@ class LlamaCppBackend(Backend):
         if not path.is_file():
             raise BackendError(f"{path}: no such GGUF file; fix `model:` in the profile")
         self.threads = threads or default_threads()
+        safe = extra_buffers_work(path)
         try:
-            with _quiet_stderr():
+            with _quiet_stderr(), (contextlib.nullcontext() if safe else _without_extra_buffers()):
                 self.llm = Llama(model_path=str(path), n_ctx=context, n_threads=self.threads,
                                  n_threads_batch=self.threads, seed=seed, verbose=False)
         except ValueError as e:
@@ -80,7 +131,8 @@ class LlamaCppBackend(Backend):
 
     @property
     def context_length(self) -> int:
-        return self.llm.n_ctx()
+        # llama.cpp pads n_ctx up (to 256) but llama-cpp-python sizes its token buffer by the request.
+        return min(self.llm.n_ctx(), len(self.llm.input_ids))
 
     def tokenize_chat(self, messages: Sequence[dict]) -> list[int]:
         prompt = self._formatter(messages=list(messages)).prompt

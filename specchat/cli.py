@@ -163,6 +163,46 @@ def _default_prompts():
             PromptItem("2", ["Write a haiku about a fast computer."])]
 
 
+# ------------------------------------------------------------------------------- verify
+
+def cmd_verify(args) -> int:
+    from rich.console import Console
+
+    from specchat.loading import load_backend, messages_for, sampling_of
+    from specchat.prompts import load_prompts
+    from specchat.verify import PromptCheck, check_prompt, summarize
+
+    spec_profile = _profile(args.profile).with_overrides(**_sampling_overrides(args))
+    if spec_profile.method == "none":
+        raise UsageError(f"profile '{spec_profile.name}' has no speculative method; verify compares a "
+                         "speculative profile with its target-only reference")
+    prompts = load_prompts(args.prompts, args.limit, args.category) if args.prompts else _default_prompts()
+    console = Console(stderr=True, highlight=False)
+    spec = load_backend(spec_profile)
+    reference = load_backend(_profile(args.reference)) if args.reference else spec.target
+    sampling = sampling_of(spec_profile)
+    checks: list[PromptCheck] = []
+    try:
+        for item in prompts:
+            request = Request(messages=messages_for(spec_profile, [{"role": "user", "content": item.first}]))
+            ref, out, verdict = check_prompt(spec, reference, request, sampling)
+            checks.append(PromptCheck(item, ref, out, verdict))
+            mark = {"identical": "[green]✓[/green]", "near-tie": "[yellow]≈[/yellow]"}.get(verdict.kind, "[red]✗[/red]")
+            console.print(f"{mark} {item.id} [{item.task}] {verdict.line()} · {out.mean_accepted:.2f} tokens/pass")
+    finally:
+        spec.close()
+        if args.reference:
+            reference.close()
+    totals = summarize(checks)
+    if args.json:
+        print(json.dumps({"profile": spec_profile.name, "reference": args.reference or f"{spec_profile.name} (target-only)",
+                          **totals, "prompts_checked": [c.as_dict() for c in checks]}))
+    else:
+        print(f"{totals['prompts']} prompts: {totals['identical']} identical, {totals['near_ties']} near-ties, "
+              f"{totals['mismatches']} mismatches")
+    return EXIT_RUNTIME if totals["mismatches"] else EXIT_OK
+
+
 # ----------------------------------------------------------------------- chat / repl
 
 def cmd_chat(args) -> int:
@@ -233,6 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add a transformers `generate` reference row in this dtype (repeatable)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("verify", help="check that speculative output equals target-only output, token for token")
+    p.add_argument("-p", "--profile", required=True, help="the speculative profile")
+    p.add_argument("-r", "--reference", help="reference profile (default: the same profile, speculation off)")
+    p.add_argument("--prompts", help="prompt file (Spec-Bench question.jsonl, jsonl or text)")
+    p.add_argument("--limit", type=int)
+    p.add_argument("--category", action="append")
+    p.add_argument("--json", action="store_true")
+    _add_sampling_flags(p)
+    p.set_defaults(func=cmd_verify)
     return ap
 
 

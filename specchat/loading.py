@@ -16,6 +16,10 @@ def load_backend(profile: Profile) -> Backend:
         from backends.llamacpp import LlamaCppBackend
 
         return LlamaCppBackend.from_profile(profile)
+    if profile.method != "none":
+        from backends.speculative.backend import SpeculativeBackend
+
+        return SpeculativeBackend.from_profile(profile)
     from backends.native.engine import TorchBackend
 
     return TorchBackend.from_profile(profile)

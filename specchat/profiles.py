@@ -114,12 +114,12 @@ class Profile(_Strict):
         try:
             return self.model_copy(update={"sampling": SamplingConfig(**data)})
         except ValidationError as e:
-            raise ProfileError(_one_line(e, f"profile '{self.name}'")) from None
+            raise ProfileError(_one_line(e, f"profile '{self.name}'", ("sampling",))) from None
 
 
-def _one_line(err: ValidationError, where: str) -> str:
+def _one_line(err: ValidationError, where: str, section: tuple[str, ...] = ()) -> str:
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    loc = ".".join(str(p) for p in (*section, *first["loc"])) or "(top level)"
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         msg = "unknown key (check the spelling; see `specchat profiles --help`)"

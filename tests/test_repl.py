@@ -23,7 +23,7 @@ PROFILES = {
 
 
 @pytest.fixture
-def profiles(_isolated_dirs):
+def profiles(isolated_dirs):
     d = Path(os.environ["SPECCHAT_PROFILES_DIR"])
     d.mkdir(parents=True, exist_ok=True)
     for name, text in PROFILES.items():

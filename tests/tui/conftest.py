@@ -18,7 +18,7 @@ REPLY = "Speculative decoding drafts cheap tokens and the target checks them in 
 
 
 @pytest.fixture
-def profiles_dir(_isolated_dirs):
+def profiles_dir(isolated_dirs):
     d = Path(os.environ["SPECCHAT_PROFILES_DIR"])
     d.mkdir(parents=True, exist_ok=True)
     for name, text in PROFILES.items():

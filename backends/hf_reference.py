@@ -1,0 +1,100 @@
+"""The transformers reference backend: the same checkpoint through transformers' own model.
+
+It exists to be compared against (logits parity in tests, a row in `specchat bench`), so it
+does the plain thing: `AutoModelForCausalLM` and a per-token loop with `past_key_values`,
+sampled with the same position-keyed sampler as the torch engine. A GGUF is dequantized to
+float32 by transformers' own GGUF converter.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from backends.base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendError,
+                           Event, Request, Sampling, Step, StreamStats)
+from backends.detok import IncrementalDetokenizer
+from backends.native import sampling as sampler
+from backends.native.tokenizer import ChatTokenizer
+
+
+def load_hf_model(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' model for a model directory or a GGUF file (without needing accelerate)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
+    missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing:
+        raise BackendError(f"{path}: transformers could not map tensors {missing[:3]} from this GGUF")
+    return model.to(dtype).eval()
+
+
+class TransformersBackend(Backend):
+    name = "transformers"
+
+    def __init__(self, model_path: str | Path, *, dtype: str = "float32", threads: int = 0, context: int = 2048):
+        from backends.native.engine import physical_cores
+
+        path = Path(model_path)
+        torch.set_num_threads(threads or physical_cores())
+        self.model = load_hf_model(path, getattr(torch, dtype))
+        self.tokenizer = ChatTokenizer(path)
+        self.eos_ids = self.tokenizer.eos_ids
+        self._context = context
+
+    @classmethod
+    def from_profile(cls, profile) -> "TransformersBackend":
+        from specchat.models import fetch_hub, resolve_model
+
+        ref = resolve_model(profile.model, profile.base_dir)
+        path = fetch_hub(ref.location) if ref.kind == "hub" else ref.path
+        dtype = "float32" if profile.dtype == "auto" else profile.dtype
+        return cls(path, dtype=dtype, threads=profile.threads, context=profile.context)
+
+    @property
+    def context_length(self) -> int:
+        return self._context
+
+    def tokenize_chat(self, messages) -> list[int]:
+        return self.tokenizer.encode_chat(messages)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    @torch.inference_mode()
+    def stream(self, request: Request, sampling: Sampling,
+               cancel: threading.Event | None = None) -> Iterator[Event]:
+        prompt = self.prompt_ids(request)
+        self.check_fits(len(prompt))
+        stats = StreamStats(prompt_tokens=len(prompt))
+        detok = IncrementalDetokenizer(self.detokenize)
+        out = self.model(torch.tensor([prompt]), use_cache=True)
+        pos, generated = len(prompt), 0
+        while True:
+            token = int(sampler.sample(out.logits[0, -1:].float(), [pos], sampling)[0])
+            if token in self.eos_ids:
+                reason = STOP_EOS
+                break
+            generated += 1
+            yield stats.add(Step([token], detok.add([token])))
+            if generated >= sampling.max_tokens:
+                reason = STOP_MAX_TOKENS
+                break
+            if pos + 1 >= self._context:
+                reason = STOP_CONTEXT_FULL
+                break
+            if cancel is not None and cancel.is_set():
+                reason = STOP_CANCELLED
+                break
+            out = self.model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            pos += 1
+        yield stats.finish(reason, tail_text=detok.flush())

@@ -1,0 +1,197 @@
+"""`TorchBackend`: the native engine behind the streaming interface, target-only decoding.
+
+Besides `stream`, it exposes what a speculative loop needs: `forward` (K tokens at absolute
+positions, optional hidden states), `cache_len` / `truncate` (rollback without copies),
+`sample` (position-keyed, so verification picks what target-only decoding would), `eos_ids`.
+The engine tracks which token ids are in the KV cache, so a new turn only prefills what
+differs from the previous one.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from backends.base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendError,
+                           Event, Request, Sampling, Step, StreamStats)
+from backends.detok import IncrementalDetokenizer
+from backends.native import sampling as sampler
+from backends.native.model import Transformer
+from backends.native.tokenizer import ChatTokenizer
+from backends.native.weights import Checkpoint, Int4Rows, build_model, load_hf_dir
+
+# What the torch engine computes with: a torch dtype for everything, or "int4": GGUF Q4_0/Q4_1
+# matrices on torch's group-wise int4 kernel with bfloat16 activations (CPU only).
+PRECISIONS = ("float32", "bfloat16", "float16", "int4")
+
+
+def physical_cores() -> int:
+    """Distinct (package, core) pairs in /proc/cpuinfo; hyperthreads only slow matmuls down."""
+    try:
+        pairs, package = set(), "0"
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "physical id":
+                    package = value.strip()
+                elif key.strip() == "core id":
+                    pairs.add((package, value.strip()))
+        return len(pairs) or os.cpu_count() or 1
+    except OSError:
+        return os.cpu_count() or 1
+
+
+def load_checkpoint(path: Path, kind: str, keep_int4: bool) -> Checkpoint:
+    if kind == "gguf":
+        from backends.native.gguf_loader import load_gguf
+
+        return load_gguf(path, keep_int4=keep_int4)
+    return load_hf_dir(path)
+
+
+def has_int4(ck: Checkpoint) -> bool:
+    return any(isinstance(m, Int4Rows) for layer in ck.layers for m in layer.values())
+
+
+def choose_precision(requested: str, device: torch.device, ck: Checkpoint) -> str:
+    """'auto': on CPU the int4 kernel when the GGUF holds Q4 blocks, else bfloat16 (both measured
+    fastest here, see scripts/bench_engine.py); on CUDA bfloat16."""
+    if requested != "auto":
+        return requested
+    if device.type == "cpu" and has_int4(ck):
+        return "int4"
+    return "bfloat16"
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def __init__(self, model_path: str | Path, kind: str = "auto", *, precision: str = "auto",
+                 device: str = "auto", threads: int = 0, context: int = 2048):
+        path = Path(model_path)
+        if kind == "auto":
+            kind = "gguf" if path.suffix.lower() == ".gguf" else "hf_dir"
+        if precision not in PRECISIONS + ("auto",):
+            raise BackendError(f"unknown precision '{precision}' (expected auto, {', '.join(PRECISIONS)})")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise BackendError("device 'cuda' requested but this torch has no CUDA device; set device: cpu")
+        self.device = torch.device(device)
+        torch.set_num_threads(threads or physical_cores())
+        started = time.perf_counter()
+        ck = load_checkpoint(path, kind, keep_int4=precision in ("auto", "int4") and self.device.type == "cpu")
+        self.precision = choose_precision(precision, self.device, ck)
+        if self.precision == "int4" and self.device.type != "cpu":
+            raise BackendError("precision int4 runs on CPU only; use bfloat16 on CUDA")
+        dtype = torch.bfloat16 if self.precision == "int4" else getattr(torch, self.precision)
+        self._context = min(context, ck.cfg.max_position) if ck.cfg.max_position else context
+        self.model: Transformer = build_model(ck, dtype, self._context, int4=self.precision == "int4",
+                                              device=self.device)
+        del ck
+        self.tokenizer = ChatTokenizer(path)
+        self.eos_ids: frozenset[int] = self.tokenizer.eos_ids
+        self.load_s = time.perf_counter() - started
+        self.cached: list[int] = []  # token ids whose keys/values are in the cache, in order
+
+    @classmethod
+    def from_profile(cls, profile) -> "TorchBackend":
+        from specchat.models import fetch_hub, resolve_model
+
+        ref = resolve_model(profile.model, profile.base_dir)
+        path, kind = (fetch_hub(ref.location), "hf_dir") if ref.kind == "hub" else (ref.path, ref.kind)
+        return cls(path, kind, precision=profile.dtype, device=profile.device, threads=profile.threads,
+                   context=profile.context)
+
+    # ---- the pieces a speculative loop uses ----
+
+    @property
+    def context_length(self) -> int:
+        return self._context
+
+    @property
+    def cache_len(self) -> int:
+        return self.model.cache.length
+
+    def forward(self, tokens: Sequence[int] | Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
+                all_logits: bool = True) -> tuple[Tensor, dict[int, Tensor]]:
+        """Run tokens at absolute positions start_pos.. (cache beyond start_pos is dropped first).
+
+        logits[i] is the distribution of the token at position start_pos + i + 1.
+        """
+        if start_pos < self.cache_len:
+            self.truncate(start_pos)
+        ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
+        t = torch.tensor([ids], dtype=torch.long, device=self.device)
+        logits, hidden = self.model(t, start_pos, hidden_layers, all_logits)
+        self.cached[start_pos:] = ids
+        return logits, hidden
+
+    def truncate(self, n: int) -> None:
+        self.model.cache.truncate(n)
+        del self.cached[n:]
+
+    def sample(self, logits: Tensor, positions: Sequence[int] | Tensor, sampling: Sampling) -> Tensor:
+        return sampler.sample(logits, positions, sampling)
+
+    def prefill(self, prompt: Sequence[int]) -> Tensor:
+        """Bring the cache to `prompt`, reusing the longest common prefix with what is cached.
+        Returns the logits [1, vocab] for the token after the prompt."""
+        self.check_fits(len(prompt))
+        reuse = 0
+        limit = min(len(prompt) - 1, len(self.cached))  # at least one token is run to get logits
+        while reuse < limit and self.cached[reuse] == prompt[reuse]:
+            reuse += 1
+        logits, _ = self.forward(prompt[reuse:], reuse, all_logits=False)
+        return logits
+
+    # ---- the Backend interface ----
+
+    def tokenize_chat(self, messages) -> list[int]:
+        return self.tokenizer.encode_chat(messages)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def stream(self, request: Request, sampling: Sampling,
+               cancel: threading.Event | None = None) -> Iterator[Event]:
+        prompt = self.prompt_ids(request)
+        if not prompt:
+            raise BackendError("the prompt is empty; send some text")
+        self.check_fits(len(prompt))
+        stats = StreamStats(prompt_tokens=len(prompt))
+        detok = IncrementalDetokenizer(self.detokenize)
+        if cancel is not None and cancel.is_set():
+            yield stats.finish(STOP_CANCELLED)
+            return
+        logits = self.prefill(prompt)
+        pos = len(prompt)  # position of the token being chosen
+        generated = 0
+        while True:
+            token = int(self.sample(logits, [pos], sampling)[0])
+            if token in self.eos_ids:
+                reason = STOP_EOS
+                break
+            generated += 1
+            yield stats.add(Step([token], detok.add([token])))
+            if generated >= sampling.max_tokens:
+                reason = STOP_MAX_TOKENS
+                break
+            if pos + 1 >= self._context:
+                reason = STOP_CONTEXT_FULL
+                break
+            if cancel is not None and cancel.is_set():
+                reason = STOP_CANCELLED
+                break
+            logits, _ = self.forward([token], pos, all_logits=False)
+            pos += 1
+        yield stats.finish(reason, tail_text=detok.flush())
+
+    def close(self) -> None:
+        self.model = None
+        self.cached = []

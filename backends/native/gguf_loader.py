@@ -1,0 +1,136 @@
+"""Reading a GGUF file into a `Checkpoint`.
+
+Tensors are dequantized to float32 with the `gguf` package, except Q4_0/Q4_1 matrices when
+`keep_int4` is set: those stay as 4-bit groups (`Int4Rows`) for torch's int4 kernel, so the
+engine runs the very weights llama.cpp runs. llama.cpp's converter permutes the rows of Q and K
+for llama-arch models (interleaved RoPE); we undo that to get the Hugging Face layout.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from backends.base import BackendError
+from backends.native.model import ModelConfig
+from backends.native.weights import Checkpoint, Int4Rows, progress
+
+_LAYER_NAMES = {
+    "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
+    "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
+    "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
+    "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+}
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+PERMUTED_ARCHS = ("llama",)  # archs whose Q/K rows llama.cpp's converter permutes
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise BackendError(f"GGUF architecture '{arch}' is not supported by the torch engine "
+                           f"(supported: {', '.join(SUPPORTED_ARCHS)}); use backend: llamacpp")
+
+    def a(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    names = {t.name for t in reader.tensors}
+    n_heads = int(a("attention.head_count"))
+    dim = int(a("embedding_length"))
+    vocab = a("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    scaling = None
+    if a("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    return ModelConfig(
+        vocab_size=int(vocab), dim=dim, n_layers=int(a("block_count")), n_heads=n_heads,
+        n_kv_heads=int(a("attention.head_count_kv", n_heads)),
+        head_dim=int(a("attention.key_length", dim // n_heads)),
+        ffn_dim=int(a("feed_forward_length")), norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        max_position=int(a("context_length", 4096)), tie_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names, arch=arch)
+
+
+def _int4_rows(t) -> Int4Rows:
+    """Q4_0 / Q4_1 blocks -> Int4Rows. A block holds 32 weights: fp16 d, (fp16 m,) 16 bytes of
+    nibbles where the low nibbles are weights 0..15 and the high nibbles weights 16..31."""
+    n_out = int(t.shape[1])
+    raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).view(n_out, -1)
+    has_min = t.tensor_type.name == "Q4_1"
+    blocks = raw.view(n_out, -1, 20 if has_min else 18)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+    qs = blocks[..., 4:20] if has_min else blocks[..., 2:18]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n_out, -1)
+    if has_min:
+        m = blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+        return Int4Rows(q, d, m + 8 * d)
+    return Int4Rows(q, d, torch.zeros_like(d))
+
+
+def _dense(t) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    shape = tuple(int(s) for s in reversed(t.shape))
+    return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
+
+
+def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """Index that undoes llama.cpp's `reshape(n_head, 2, r/2, ...).swapaxes(1, 2)` on rows."""
+    permuted = torch.arange(n_rows).reshape(n_head, 2, n_rows // n_head // 2).transpose(1, 2).reshape(-1)
+    return torch.argsort(permuted)
+
+
+def load_gguf(path: Path, keep_int4: bool = False) -> Checkpoint:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise BackendError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    cfg = config_from_gguf(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    int4_types = ("Q4_0", "Q4_1")
+
+    def load(name: str, matrix: bool = False):
+        t = tensors[name]
+        if matrix and keep_int4 and t.tensor_type.name in int4_types:
+            return _int4_rows(t)
+        return _dense(t)
+
+    def permute(m, n_head: int):
+        idx = _unpermute_rows(m.q.shape[0] if isinstance(m, Int4Rows) else m.shape[0], n_head)
+        if isinstance(m, Int4Rows):
+            return Int4Rows(m.q[idx], m.scale[idx], m.zero[idx])
+        return m[idx]
+
+    layers = []
+    with progress(f"loading {path.name}", cfg.n_layers + 1) as advance:
+        embed = load("token_embd.weight")
+        advance()
+        for i in range(cfg.n_layers):
+            layer = {}
+            for key, suffix in _LAYER_NAMES.items():
+                name = f"blk.{i}.{suffix}"
+                if name in tensors:
+                    layer[key] = load(name, matrix=suffix.endswith(".weight") and "norm" not in suffix)
+                elif not key.endswith(("bias", "q_norm", "k_norm")):
+                    raise BackendError(f"{path}: tensor {name} missing; the file may be truncated")
+            if cfg.arch in PERMUTED_ARCHS:
+                layer["q"] = permute(layer["q"], cfg.n_heads)
+                layer["k"] = permute(layer["k"], cfg.n_kv_heads)
+            layers.append(layer)
+            advance()
+    if "rope_freqs.weight" in tensors:  # llama3-style scaling stored as per-frequency divisors
+        cfg.rope_scaling = {"rope_type": "freq_factors", "factors": _dense(tensors["rope_freqs.weight"]).tolist()}
+    head = load("output.weight", matrix=True) if "output.weight" in tensors else None
+    return Checkpoint(cfg, embed, load("output_norm.weight"), head, layers, source=str(path))

@@ -1,0 +1,219 @@
+"""A compact decoder-only transformer for the Llama family (SmolLM2, Llama 3.x, Qwen2/2.5, Qwen3).
+
+RMSNorm, RoPE (checkpoint theta, optional llama3 / linear scaling), grouped-query attention,
+SwiGLU, tied or untied head. The shape of a checkpoint comes from its own config (config.json
+or GGUF metadata), never from a table of known models.
+
+The KV cache is preallocated per layer as [1, n_kv, max_len, head_dim] and indexed by absolute
+position, so rolling back after a rejected draft is just setting a shorter length.
+The residual stream stays in float32; matmul inputs are cast to the compute dtype.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+FINAL = -1  # hidden_layers key for the final hidden state (after the final norm)
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position: int = 4096
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    arch: str = "llama"
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "ModelConfig":
+        c = c.get("text_config", c)
+        arch = c.get("model_type", "llama")
+        n_heads = c["num_attention_heads"]
+        return cls(
+            vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
+            n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
+            ffn_dim=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(c), rope_scaling=_rope_scaling(c),
+            max_position=c.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=bool(c.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch.startswith("qwen3"), arch=arch)
+
+
+def _rope_theta(c: dict) -> float:
+    params = c.get("rope_parameters") or {}
+    return float(c.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(c: dict) -> dict | None:
+    s = c.get("rope_scaling") or c.get("rope_parameters")
+    if not s:
+        return None
+    kind = s.get("rope_type") or s.get("type")
+    return None if kind in (None, "default") else dict(s, rope_type=kind)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    kind = s["rope_type"]
+    if kind == "linear":
+        return inv / s["factor"]
+    if kind == "freq_factors":  # GGUF rope_freqs.weight: llama.cpp divides each frequency by its factor
+        return inv / torch.tensor(s["factors"], dtype=torch.float32)
+    if kind == "llama3":  # same arithmetic as transformers' _compute_llama3_parameters
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / lo, old / hi
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, out)
+    raise ValueError(f"rope scaling '{kind}' is not supported by the torch engine")
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) with W dense in the compute dtype, or group-wise int4 (bf16 activations)."""
+
+    def __init__(self, weight: Tensor | None, bias: Tensor | None = None, int4: tuple | None = None):
+        super().__init__()
+        self.weight = weight  # [out, in] dense, or None when int4
+        self.bias = bias
+        self.int4 = int4  # (packed, scales_and_zeros, group_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.int4 is not None:
+            packed, sz, group = self.int4
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
+        else:
+            y = F.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+class KVCache:
+    """Per-layer preallocated keys and values; `length` is how many positions are valid."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (1, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    def truncate(self, n: int) -> None:
+        """Forget every position from n on (no copies: later writes overwrite them)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
+        self.length = n
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: dict):
+        super().__init__()
+        self.cfg = cfg
+        self.attn_norm, self.mlp_norm = w["attn_norm"], w["mlp_norm"]
+        self.qkv, self.o, self.gate_up, self.down = w["qkv"], w["o"], w["gate_up"], w["down"]
+        self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
+
+    def forward(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, start: int,
+                cos: Tensor, sin: Tensor, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
+        cfg = self.cfg
+        K, H, Hkv, hd, eps = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
+        h = F.rms_norm(x, (cfg.dim,), self.attn_norm, eps).to(dtype)
+        qkv = self.qkv(h).view(K, H + 2 * Hkv, hd)
+        q, k, v = qkv.split((H, Hkv, Hkv), dim=1)
+        if self.q_norm is not None:
+            q = F.rms_norm(q.float(), (hd,), self.q_norm, eps).to(dtype)
+            k = F.rms_norm(k.float(), (hd,), self.k_norm, eps).to(dtype)
+        # rotate_half(x) * sin == roll(x, hd/2) * sin_signed, with the sign folded into the table
+        q = torch.addcmul(q * cos, q.roll(hd // 2, -1), sin)
+        k = torch.addcmul(k * cos, k.roll(hd // 2, -1), sin)
+        end = start + K
+        cache_k[0, :, start:end] = k.transpose(0, 1)
+        cache_v[0, :, start:end] = v.transpose(0, 1)
+        a = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), cache_k[:, :, :end], cache_v[:, :, :end],
+                                           attn_mask=mask, enable_gqa=H != Hkv)
+        x = x + self.o(a[0].transpose(0, 1).reshape(K, H * hd)).float()
+        h = F.rms_norm(x, (cfg.dim,), self.mlp_norm, eps).to(dtype)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up).float()
+
+
+class Transformer(nn.Module):
+    """Built from already-prepared weights (see weights.py); owns one KV cache."""
+
+    def __init__(self, cfg: ModelConfig, embed: Tensor, blocks: list[dict], norm: Tensor, head: Linear,
+                 dtype: torch.dtype, max_len: int):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.embed = embed  # [vocab, dim] float32 or compute dtype; rows are looked up
+        self.blocks = nn.ModuleList(Block(cfg, b) for b in blocks)
+        self.norm = norm
+        self.head = head
+        self.device = embed.device
+        self.setup_cache(max_len)
+
+    def setup_cache(self, max_len: int) -> None:
+        """(Re)allocate the KV cache for `max_len` positions and the RoPE tables to match."""
+        self.cache = KVCache(self.cfg, max_len, self.dtype, self.device)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(self.cfg))
+        cos, sin = freqs.cos(), freqs.sin()
+        self.rope_cos = torch.cat([cos, cos], -1).to(self.device, self.dtype)[:, None, :]
+        self.rope_sin = torch.cat([-sin, sin], -1).to(self.device, self.dtype)[:, None, :]
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
+                all_logits: bool = True) -> tuple[Tensor, dict[int, Tensor]]:
+        """Run tokens[1, K] at positions start_pos..start_pos+K-1 against cache[:start_pos].
+
+        Returns float32 logits [K, vocab] (or [1, vocab] for the last position when
+        all_logits is False) and the hidden states of the requested layers: key i is the
+        output of decoder layer i, key FINAL (-1) the final hidden state after the norm.
+        Afterwards the cache holds start_pos + K positions.
+        """
+        K = tokens.shape[-1]
+        end = start_pos + K
+        if start_pos > self.cache.length or end > self.cache.max_len:
+            raise ValueError(f"positions {start_pos}..{end} do not fit a cache of length "
+                             f"{self.cache.length} / {self.cache.max_len}")
+        x = self.embed[tokens.reshape(-1)].float()
+        cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
+        mask = None
+        if K > 1:
+            rows = torch.arange(start_pos, end, device=self.device)[:, None]
+            mask = torch.arange(end, device=self.device)[None, :] <= rows
+        hidden: dict[int, Tensor] = {}
+        for i, block in enumerate(self.blocks):
+            x = block(x, self.cache.k[i], self.cache.v[i], start_pos, cos, sin, mask, self.dtype)
+            if i in hidden_layers:
+                hidden[i] = x
+        self.cache.length = end
+        x = F.rms_norm(x if all_logits else x[-1:], (self.cfg.dim,), self.norm, self.cfg.norm_eps)
+        if FINAL in hidden_layers:
+            hidden[FINAL] = x
+        return self.head(x.to(self.dtype)).float(), hidden

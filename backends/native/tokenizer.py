@@ -1,0 +1,80 @@
+"""Tokenizer and chat template, always the model's own, through transformers.
+
+Building a tokenizer from GGUF metadata is slow, so the result is saved once under the cache
+directory, keyed by the GGUF's path, size and modification time, and loaded from there later.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+from backends.base import BackendError
+from specchat import paths
+
+
+def _gguf_cache_dir(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    import transformers
+
+    key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return paths.cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _load_hf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    if path.is_dir():
+        return AutoTokenizer.from_pretrained(str(path))
+    cached = _gguf_cache_dir(path)
+    if (cached / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(str(cached))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    tok.save_pretrained(str(tmp))
+    try:
+        os.replace(tmp, cached)  # atomic: another process may have saved it meanwhile
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+class ChatTokenizer:
+    """Chat rendering, encoding and decoding, plus the ids that end a reply."""
+
+    def __init__(self, path: Path):
+        try:
+            self.hf = _load_hf_tokenizer(path)
+        except Exception as e:
+            raise BackendError(f"{path}: could not load its tokenizer ({type(e).__name__}: {e}); "
+                               "a model directory needs tokenizer.json / tokenizer_config.json") from None
+        if not self.hf.chat_template:
+            raise BackendError(f"{path}: the tokenizer has no chat template; use a chat (instruct) model")
+        self.eos_ids = self._eos_ids(path)
+
+    def _eos_ids(self, path: Path) -> frozenset[int]:
+        ids = set()
+        if self.hf.eos_token_id is not None:
+            ids.add(self.hf.eos_token_id)
+        gen = path / "generation_config.json" if path.is_dir() else None
+        if gen is not None and gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return frozenset(ids)
+
+    def render_chat(self, messages: Sequence[dict]) -> str:
+        return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        # The template writes every special token it wants (BOS included, when it wants one),
+        # so the tokenizer must not add its own.
+        return self.encode(self.render_chat(messages))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)

@@ -1,0 +1,181 @@
+"""Turning checkpoint tensors into a ready `Transformer`.
+
+Loaders (Hugging Face safetensors here, GGUF in gguf_loader.py) produce a `Checkpoint`: the
+config plus per-layer tensors under short names (q, k, v, o, gate, up, down, norms, biases).
+A matrix is either a float32 tensor or `Int4Rows` (GGUF Q4_0/Q4_1 blocks kept as they are).
+`build_model` fuses q/k/v and gate/up into single matmuls and casts to the compute dtype.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from backends.base import BackendError
+from backends.native.model import Linear, ModelConfig, Transformer
+
+INT4_GROUP = 32
+
+
+@dataclass
+class Int4Rows:
+    """Group-wise 4-bit weights, groups of 32 along the input: w = (q - 8) * scale + zero.
+
+    GGUF Q4_1 (w = d*q + m) is scale d, zero m + 8d; Q4_0 (w = d*(q - 8)) is scale d, zero 0.
+    """
+
+    q: Tensor  # uint8 [out, in], values 0..15
+    scale: Tensor  # float32 [out, in / 32]
+    zero: Tensor  # float32 [out, in / 32]
+
+    def dequantize(self) -> Tensor:
+        def expand(t: Tensor) -> Tensor:
+            return t.repeat_interleave(INT4_GROUP, dim=1)
+        return (self.q.float() - 8) * expand(self.scale) + expand(self.zero)
+
+    @staticmethod
+    def cat(parts: list["Int4Rows"]) -> "Int4Rows":
+        return Int4Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                        torch.cat([p.zero for p in parts]))
+
+
+Matrix = Tensor | Int4Rows
+LAYER_KEYS = ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm")
+OPTIONAL_KEYS = ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
+
+
+@dataclass
+class Checkpoint:
+    cfg: ModelConfig
+    embed: Tensor
+    norm: Tensor
+    head: Matrix | None  # None: tied to the embedding
+    layers: list[dict[str, Matrix]] = field(default_factory=list)
+    source: str = ""
+
+
+@contextmanager
+def progress(label: str, total: int):
+    """A transient rich progress bar on stderr; yields advance(n)."""
+    if not sys.stderr.isatty():
+        yield lambda n=1: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as p:
+        task = p.add_task(label, total=total)
+        yield lambda n=1: p.advance(task, n)
+
+
+# ---- Hugging Face directories (safetensors, sharded or not) ----
+
+_HF_LAYER_NAMES = {
+    "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
+    "mlp_norm": "post_attention_layernorm.weight", "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+}
+
+
+def _safetensors_files(path: Path) -> dict[str, Path]:
+    """tensor name -> file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / f for name, f in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise BackendError(f"{path}: no *.safetensors files; the torch engine reads safetensors checkpoints")
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            out.update({name: f for name in st.keys()})
+    return out
+
+
+def load_hf_dir(path: Path) -> Checkpoint:
+    from safetensors import safe_open
+
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    where = _safetensors_files(path)
+    prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in where) else "model."
+    tensors: dict[str, Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, f in where.items():
+        by_file.setdefault(f, []).append(name)
+    with progress(f"loading {path.name}", len(where)) as advance:
+        for f, names in by_file.items():
+            with safe_open(f, framework="pt") as st:
+                for name in names:
+                    tensors[name] = st.get_tensor(name).float()
+                    advance()
+
+    def take(name: str, required: bool = True) -> Tensor | None:
+        if name not in tensors and required:
+            raise BackendError(f"{path}: tensor {name} missing; is this a Llama/Qwen-style checkpoint?")
+        return tensors.get(name)
+
+    layers = []
+    for i in range(cfg.n_layers):
+        layer = {k: take(f"{prefix}layers.{i}.{n}", k in LAYER_KEYS) for k, n in _HF_LAYER_NAMES.items()}
+        layers.append({k: v for k, v in layer.items() if v is not None})
+    head = None if cfg.tie_embeddings else take("lm_head.weight", required=False)
+    return Checkpoint(cfg, take(prefix + "embed_tokens.weight"), take(prefix + "norm.weight"), head, layers,
+                      source=str(path))
+
+
+# ---- building the model ----
+
+def _linear(parts: list[Matrix], biases: list[Tensor | None], dtype: torch.dtype, int4: bool,
+            device: torch.device) -> Linear:
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b if b is not None else torch.zeros(_rows(p)) for b, p in zip(biases, parts)])
+        bias = bias.to(device, dtype)
+    if int4 and all(isinstance(p, Int4Rows) for p in parts):
+        w = Int4Rows.cat(parts) if len(parts) > 1 else parts[0]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
+        sz = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        return Linear(None, bias, int4=(packed, sz, INT4_GROUP))
+    mats = [p.dequantize() if isinstance(p, Int4Rows) else p for p in parts]
+    dense = mats[0] if len(mats) == 1 else torch.cat(mats)  # a tied float32 head shares the embedding
+    return Linear(dense.to(device, dtype).contiguous(), bias)
+
+
+def _rows(m: Matrix) -> int:
+    return m.q.shape[0] if isinstance(m, Int4Rows) else m.shape[0]
+
+
+def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = False,
+                device: torch.device | str = "cpu") -> Transformer:
+    """int4 runs Int4Rows matrices with torch's group-wise int4 kernel (CPU, bfloat16 activations)."""
+    device = torch.device(device)
+    if int4 and (dtype != torch.bfloat16 or device.type != "cpu"):
+        raise ValueError("the int4 kernel path runs on CPU with bfloat16 activations")
+    blocks = []
+    for layer in ck.layers:
+        b = {
+            "attn_norm": layer["attn_norm"].float().to(device), "mlp_norm": layer["mlp_norm"].float().to(device),
+            "qkv": _linear([layer["q"], layer["k"], layer["v"]],
+                           [layer.get("q_bias"), layer.get("k_bias"), layer.get("v_bias")], dtype, int4, device),
+            "o": _linear([layer["o"]], [None], dtype, int4, device),
+            "gate_up": _linear([layer["gate"], layer["up"]], [None, None], dtype, int4, device),
+            "down": _linear([layer["down"]], [None], dtype, int4, device),
+        }
+        if "q_norm" in layer:
+            b["q_norm"], b["k_norm"] = layer["q_norm"].float().to(device), layer["k_norm"].float().to(device)
+        blocks.append(b)
+    embed = ck.embed.float().to(device)
+    head = _linear([ck.head if ck.head is not None else embed], [None], dtype, int4, device)
+    return Transformer(ck.cfg, embed, blocks, ck.norm.float().to(device), head, dtype, max_len)

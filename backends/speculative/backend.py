@@ -1,0 +1,72 @@
+"""The torch engine with a drafter: a Backend whose stream is the speculative loop."""
+from __future__ import annotations
+
+import threading
+from typing import Iterator, Sequence
+
+from backends.base import Backend, BackendError, Event, Request, Sampling
+from backends.native.engine import TorchBackend
+from backends.speculative.drafters import DraftModelDrafter, NgramDrafter, check_same_tokenizer
+from backends.speculative.loop import Drafter, speculative_stream
+
+
+class SpeculativeBackend(Backend):
+    name = "torch"
+
+    def __init__(self, target: TorchBackend, drafter: Drafter, depth: int, acceptance: str = "exact"):
+        self.target, self.drafter = target, drafter
+        self.depth, self.acceptance = depth, acceptance
+
+    @classmethod
+    def from_profile(cls, profile) -> "SpeculativeBackend":
+        spec = profile.speculative
+        target = TorchBackend.from_profile(profile)
+        try:
+            drafter = make_drafter(profile, target)
+        except BaseException:
+            target.close()
+            raise
+        return cls(target, drafter, spec.depth, spec.acceptance)
+
+    @property
+    def context_length(self) -> int:
+        return self.target.context_length
+
+    def tokenize_chat(self, messages: Sequence[dict]) -> list[int]:
+        return self.target.tokenize_chat(messages)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.target.detokenize(token_ids)
+
+    def stream(self, request: Request, sampling: Sampling,
+               cancel: threading.Event | None = None) -> Iterator[Event]:
+        prompt = self.prompt_ids(request)
+        if not prompt:
+            raise BackendError("the prompt is empty; send some text")
+        self.check_fits(len(prompt))
+        return speculative_stream(self.target, self.drafter, prompt, sampling, self.depth, self.acceptance, cancel)
+
+    def close(self) -> None:
+        self.drafter.close()
+        self.target.close()
+
+
+def make_drafter(profile, target: TorchBackend) -> Drafter:
+    spec = profile.speculative
+    if spec.method == "ngram":
+        return NgramDrafter(spec.ngram_min, spec.ngram_max)
+    if spec.method == "draft":
+        from specchat.models import fetch_hub, resolve_model
+
+        ref = resolve_model(spec.drafter, profile.base_dir)
+        path = fetch_hub(ref.location) if ref.kind == "hub" else ref.location
+        engine = TorchBackend(path, "hf_dir" if ref.kind == "hub" else ref.kind, precision=profile.dtype,
+                              device=profile.device, threads=profile.threads, context=target.context_length)
+        try:
+            check_same_tokenizer(target, engine, spec.drafter)
+        except BackendError:
+            engine.close()
+            raise
+        return DraftModelDrafter(engine, want_q=spec.acceptance == "rejection")
+    raise BackendError(f"profile '{profile.name}': speculative method '{spec.method}' is not available yet "
+                       "in this version; use none, ngram or draft")

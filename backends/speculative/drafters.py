@@ -1,0 +1,81 @@
+"""Drafters: who guesses. Each only proposes tokens; the loop in `loop.py` decides what is kept."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from backends.base import BackendError, Sampling
+from backends.native.sampling import probs
+from backends.speculative.loop import Draft, Drafter, common_prefix
+from backends.speculative.ngram import NgramIndex
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup over the conversation so far; no weights."""
+
+    name = "ngram"
+
+    def __init__(self, n_min: int = 1, n_max: int = 3):
+        self.index = NgramIndex(n_min, n_max)
+
+    def propose(self, tokens: Sequence[int], depth: int) -> Draft:
+        return Draft(self.index.propose(tokens, depth))
+
+
+class DraftModelDrafter(Drafter):
+    """A separate small model with the target's tokenizer, decoding ahead autoregressively.
+
+    It samples with the same position-keyed noise as the target, so at temperature > 0 its
+    guesses agree with the target's own choices as often as the two distributions allow.
+    Its KV cache follows the committed sequence: before drafting, it is cut back to the longest
+    prefix it shares with the committed tokens and the rest is fed in one pass."""
+
+    name = "draft"
+
+    def __init__(self, engine, want_q: bool = False):
+        self.engine = engine  # a TorchBackend of the small model
+        self.want_q = want_q
+        self.sampling = Sampling()
+
+    def start(self, prompt_ids, hidden, sampling: Sampling) -> None:
+        self.sampling = sampling
+
+    def propose(self, tokens: Sequence[int], depth: int) -> Draft:
+        e, n = self.engine, len(tokens)
+        if n + depth > e.context_length:
+            depth = max(0, e.context_length - n)
+        if depth == 0:
+            return Draft([])
+        reuse = min(common_prefix(e.cached, tokens), n - 1)
+        logits, _ = e.forward(tokens[reuse:], reuse, all_logits=False)
+        out, qs = [], []
+        for i in range(depth):
+            if self.want_q:
+                qs.append(probs(logits, self.sampling)[0])
+            token = int(e.sample(logits, [n + i], self.sampling)[0])
+            out.append(token)
+            if i + 1 == depth or token in e.eos_ids:
+                break
+            logits, _ = e.forward([token], n + i, all_logits=False)
+        return Draft(out, torch.stack(qs) if qs else None)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def check_same_tokenizer(target, drafter, drafter_name: str) -> None:
+    """Refuse a drafter whose vocabulary or special tokens differ from the target's."""
+    t, d = target.tokenizer.hf, drafter.tokenizer.hf
+    tv, dv = t.get_vocab(), d.get_vocab()
+    if tv != dv:
+        diff = len(set(tv.items()) ^ set(dv.items()))
+        raise BackendError(f"drafter '{drafter_name}' does not match the target: vocabularies differ "
+                           f"({len(dv)} vs {len(tv)} tokens, {diff} entries differ); a draft model must use "
+                           "the target's tokenizer")
+    if target.eos_ids != drafter.eos_ids or sorted(t.all_special_ids) != sorted(d.all_special_ids):
+        raise BackendError(f"drafter '{drafter_name}' does not match the target: special tokens differ "
+                           f"(eos {sorted(drafter.eos_ids)} vs {sorted(target.eos_ids)})")
+    if drafter.model.cfg.vocab_size < len(tv):
+        raise BackendError(f"drafter '{drafter_name}' has {drafter.model.cfg.vocab_size} output rows "
+                           f"but the tokenizer has {len(tv)} tokens")

@@ -1,0 +1,153 @@
+"""The one speculative loop: a drafter proposes, the target verifies in one pass, `acceptance`
+decides, both roll back to what was committed. Every method (draft model, n-gram, MTP, DFlash)
+differs only in the drafter, which can never change what is emitted under `exact` acceptance.
+
+Conventions: a token's position is its index in the whole sequence (prompt + reply). The
+target's KV cache holds every committed token but the last one, which is fed at the start of
+the next verify block: block = [last committed, d_0 … d_{k-1}] at positions N-1 … N-1+k, and
+its logits choose the tokens at positions N … N+k.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterator, Optional, Protocol, Sequence
+
+import torch
+
+from backends.base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Event, Sampling, Step,
+                           StreamStats)
+from backends.detok import IncrementalDetokenizer
+from backends.native.sampling import probs
+from backends.speculative.acceptance import accept_exact, accept_rejection
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    q: Optional[torch.Tensor] = None  # [len(tokens), V] distributions the drafts were sampled from
+
+
+class Drafter(ABC):
+    """Proposes tokens. It sees the committed sequence and, if it asks for them
+    (`hidden_layers`), the target's hidden states of the committed positions; it keeps its own
+    state in step with the committed sequence (rolling back whatever was rejected)."""
+
+    name = "drafter"
+    hidden_layers: tuple[int, ...] = ()  # target layers to return from every pass (-1: final, after norm)
+
+    def start(self, prompt_ids: Sequence[int], hidden: dict[int, torch.Tensor], sampling: Sampling) -> None:
+        """A new request; `hidden` holds the target's states for the prompt positions."""
+
+    @abstractmethod
+    def propose(self, tokens: Sequence[int], depth: int) -> Draft:
+        """Up to `depth` tokens to follow `tokens` (the committed sequence)."""
+
+    def commit(self, tokens: Sequence[int], hidden: dict[int, torch.Tensor]) -> None:
+        """`tokens` is the committed sequence after a pass; `hidden` the target's states for the
+        positions this pass committed into its cache (the block's accepted prefix)."""
+
+    def close(self) -> None:
+        pass
+
+
+def keyed_generator(seed: int, position: int, salt: str) -> torch.Generator:
+    """Randomness that depends only on (seed, position, purpose)."""
+    digest = hashlib.blake2b(f"{seed}:{position}:{salt}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def _sample_dist(dist: torch.Tensor, seed: int, position: int) -> int:
+    dist = dist.float().cpu()
+    return int(torch.multinomial(dist / dist.sum(), 1, generator=keyed_generator(seed, position, "residual")))
+
+
+class Target(Protocol):
+    """What the loop needs from the target engine (`backends.native.engine.TorchBackend`)."""
+
+    eos_ids: frozenset[int]
+    context_length: int
+    cached: list[int]  # token ids whose keys/values are in the cache
+
+    def forward(self, tokens: Sequence[int], start_pos: int,
+                hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
+
+    def truncate(self, length: int) -> None: ...
+
+    def sample(self, logits: torch.Tensor, positions: Sequence[int], sampling: Sampling) -> torch.Tensor: ...
+
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], sampling: Sampling, depth: int,
+                       acceptance: str = "exact", cancel: Optional[threading.Event] = None) -> Iterator[Event]:
+    stats = StreamStats(prompt_tokens=len(prompt))
+    detok = IncrementalDetokenizer(target.detokenize)
+    layers = drafter.hidden_layers
+    use_rejection = acceptance == "rejection" and not sampling.greedy
+
+    # Prefill: reuse the cached prefix unless the drafter needs hidden states of every prompt position.
+    start = 0 if layers else min(common_prefix(target.cached, prompt), len(prompt) - 1)
+    logits, hidden = target.forward(prompt[start:], start, layers)
+    first = int(target.sample(logits[-1:], [len(prompt)], sampling)[0])
+    tokens = list(prompt) + [first]
+    drafter.start(prompt, hidden, sampling)
+
+    def emit(new: list[int], drafted: int, accepted: int) -> tuple[Step, bool]:
+        cut = next((i for i, t in enumerate(new) if t in target.eos_ids), None)
+        kept = new if cut is None else new[:cut]
+        return stats.add(Step(kept, detok.add(kept), drafted, min(accepted, len(kept)))), cut is not None
+
+    step, hit_eos = emit([first], 0, 0)
+    if hit_eos:
+        yield stats.finish(STOP_EOS, detok.flush())
+        return
+    yield step
+    reason = STOP_MAX_TOKENS
+    while True:
+        produced = len(tokens) - len(prompt)
+        if produced >= sampling.max_tokens:
+            break
+        if cancel is not None and cancel.is_set():
+            reason = STOP_CANCELLED
+            break
+        n = len(tokens)
+        room = target.context_length - n  # the block may reach position context_length - 1
+        if room < 0:
+            reason = STOP_CONTEXT_FULL
+            break
+        k = max(0, min(depth, sampling.max_tokens - produced - 1, room))
+        draft = drafter.propose(tokens, k) if k else Draft([])
+        d = draft.tokens[:k]
+        logits, hidden = target.forward([tokens[-1]] + d, n - 1, layers)
+        positions = list(range(n, n + len(d) + 1))
+        if use_rejection and draft.q is not None and d:
+            p = probs(logits, sampling)
+            u = torch.stack([torch.rand((), generator=keyed_generator(sampling.seed, pos, "accept"))
+                             for pos in positions[:-1]])
+            verdict = accept_rejection(d, p, draft.q[:len(d)], u,
+                                       lambda dist, i: _sample_dist(dist, sampling.seed, positions[i]))
+        else:
+            verdict = accept_exact(d, target.sample(logits, positions, sampling).tolist())
+        new = verdict.tokens(d)
+        target.truncate(n + verdict.accepted)
+        tokens.extend(new)
+        drafter.commit(tokens, {layer: h[:verdict.accepted + 1] for layer, h in hidden.items()})
+        step, hit_eos = emit(new, len(d), verdict.accepted)
+        if step.token_ids:
+            yield step
+        if hit_eos:
+            reason = STOP_EOS
+            break
+    yield stats.finish(reason, detok.flush())

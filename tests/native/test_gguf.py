@@ -1,0 +1,104 @@
+"""GGUF loading: llama-arch un-permutation, dequantization, int4 kernel path, tokenizer from metadata."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.base import BackendError
+from backends.hf_reference import load_hf_model
+from backends.native.engine import TorchBackend
+from backends.native.gguf_loader import _unpermute_rows, load_gguf
+from backends.native.weights import Int4Rows, load_hf_dir
+from tests.native.tiny import _llamacpp_permute
+
+MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+
+
+def test_unpermute_inverts_llamacpp_permutation():
+    w = torch.arange(48 * 3).reshape(48, 3).numpy()
+    for n_head in (1, 2, 3, 4):
+        permuted = torch.from_numpy(_llamacpp_permute(w, n_head))
+        assert torch.equal(permuted[_unpermute_rows(48, n_head)], torch.from_numpy(w))
+
+
+def test_f32_gguf_holds_exactly_the_hf_weights(tiny_ggufs, tiny_dirs):
+    gg, hf = load_gguf(tiny_ggufs["F32"]), load_hf_dir(tiny_dirs["llama"])
+    assert gg.cfg.n_layers == hf.cfg.n_layers and gg.cfg.rope_theta == hf.cfg.rope_theta
+    assert gg.head is None and gg.cfg.tie_embeddings
+    for a, b in zip(gg.layers, hf.layers):
+        for key in ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm"):
+            assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1"])
+def test_gguf_logits_match_transformers_gguf_loader(tiny_ggufs, qtype):
+    path = tiny_ggufs[qtype]
+    engine = TorchBackend(path, precision="float32", context=64)
+    hf = load_hf_model(path)  # transformers' own GGUF conversion, dequantized to float32
+    ids = engine.tokenize_chat(MESSAGES)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    logits, _ = engine.forward(ids, 0)
+    assert (logits - ref).abs().max().item() < 1e-4
+
+
+def test_q4_blocks_are_kept_exactly(tiny_ggufs):
+    dense = load_gguf(tiny_ggufs["Q4_1"])
+    int4 = load_gguf(tiny_ggufs["Q4_1"], keep_int4=True)
+    q = int4.layers[0]["q"]
+    assert isinstance(q, Int4Rows) and q.q.max() <= 15
+    assert torch.allclose(q.dequantize(), dense.layers[0]["q"], atol=1e-6)
+
+
+def test_int4_kernel_computes_the_q4_weights(tiny_ggufs):
+    from backends.native.weights import _linear
+
+    w = load_gguf(tiny_ggufs["Q4_1"], keep_int4=True).layers[1]["gate"]
+    linear = _linear([w], [None], torch.bfloat16, int4=True, device=torch.device("cpu"))
+    assert linear.int4 is not None
+    x = torch.randn(5, w.q.shape[1]).to(torch.bfloat16)
+    # the kernel keeps scale and zero in bfloat16: the reference rounds them the same way
+    rounded = Int4Rows(w.q, w.scale.bfloat16().float(), w.zero.bfloat16().float())
+    ref = x.float() @ rounded.dequantize().t()
+    assert (linear(x).float() - ref).abs().max().item() < 0.01 * ref.abs().max().item()
+
+
+def test_int4_model_is_close_to_dequantized_float32(tiny_ggufs):
+    path = tiny_ggufs["Q4_1"]
+    ref_engine = TorchBackend(path, precision="float32", context=64)
+    engine = TorchBackend(path, precision="int4", context=64)
+    assert engine.precision == "int4"
+    assert engine.model.blocks[0].qkv.int4 is not None
+    ids = engine.tokenize_chat(MESSAGES)
+    ref, _ = ref_engine.forward(ids, 0)
+    got, _ = engine.forward(ids, 0)
+    # bfloat16 activations and scales through 3 layers of large random weights: a few % of the range
+    assert (got - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_auto_precision_picks_int4_for_q4_gguf_on_cpu(tiny_ggufs):
+    assert TorchBackend(tiny_ggufs["Q4_1"], context=32).precision == "int4"
+    assert TorchBackend(tiny_ggufs["F32"], context=32).precision == "bfloat16"
+
+
+def test_gguf_tokenizer_is_cached_and_identical(tiny_ggufs, tmp_path, monkeypatch):
+    from backends.native import tokenizer as tk
+
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
+    path = tiny_ggufs["F32"]
+    first = tk.ChatTokenizer(path)
+    assert (tk._gguf_cache_dir(path) / "tokenizer_config.json").exists()
+    second = tk.ChatTokenizer(path)
+    text = first.render_chat(MESSAGES)
+    assert text == second.render_chat(MESSAGES) and text.endswith("<|im_start|>assistant\n")
+    assert first.encode(text) == second.encode(text)
+    assert first.eos_ids == second.eos_ids == {first.hf.convert_tokens_to_ids("<|im_end|>")}
+
+
+def test_unsupported_or_broken_gguf_is_one_clear_line(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(BackendError) as e:
+        load_gguf(bad)
+    assert "broken.gguf" in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,89 @@
+"""The native model against transformers' own model for the same weights, every layout."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.base import Sampling
+from backends.hf_reference import load_hf_model
+from backends.native.engine import TorchBackend
+from backends.native.model import FINAL
+from tests.native.tiny import LAYOUTS
+
+FP32_TOL = 1e-4  # max abs logit difference, float32 vs transformers float32 (logits are O(10))
+MESSAGES = [{"role": "user", "content": "hello world, how are you today?"}]
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_dirs):
+    return {layout: (TorchBackend(d, precision="float32", context=96), load_hf_model(d))
+            for layout, d in tiny_dirs.items()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logits_and_hidden_states_match_transformers(pairs, layout):
+    engine, hf = pairs[layout]
+    ids = engine.tokenize_chat(MESSAGES)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True)
+    logits, hidden = engine.forward(ids, 0, hidden_layers=(0, 1, FINAL))
+    assert logits.shape == (len(ids), hf.config.vocab_size)
+    assert (logits - ref.logits[0]).abs().max().item() < FP32_TOL
+    # transformers' hidden_states[i + 1] is the output of layer i; the last one is after the final norm
+    assert torch.allclose(hidden[0], ref.hidden_states[1][0], atol=1e-5)
+    assert torch.allclose(hidden[1], ref.hidden_states[2][0], atol=1e-5)
+    assert torch.allclose(hidden[FINAL], ref.hidden_states[-1][0], atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_reply_matches_transformers_generate(pairs, layout):
+    engine, hf = pairs[layout]
+    ids = engine.tokenize_chat(MESSAGES)
+    n = 24
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    expected = out[0, len(ids):].tolist()
+    logits = engine.prefill(ids)
+    got, pos = [], len(ids)
+    for _ in range(n):
+        token = int(engine.sample(logits, [pos], Sampling())[0])
+        got.append(token)
+        logits, _ = engine.forward([token], pos)
+        pos += 1
+    assert got == expected
+
+
+@pytest.mark.parametrize("layout", ["llama", "qwen3"])
+def test_block_forward_equals_single_token_forwards(pairs, layout):
+    engine, _ = pairs[layout]
+    ids = engine.tokenize_chat(MESSAGES)
+    prefix, block = ids[:-6], ids[-6:]
+    engine.forward(prefix, 0)
+    block_logits, block_hidden = engine.forward(block, len(prefix), hidden_layers=(FINAL,))
+    engine.truncate(len(prefix))
+    singles = [engine.forward([t], len(prefix) + i, hidden_layers=(FINAL,)) for i, t in enumerate(block)]
+    assert torch.allclose(block_logits, torch.cat([s[0] for s in singles]), atol=1e-5)
+    assert torch.allclose(block_hidden[FINAL], torch.cat([s[1][FINAL] for s in singles]), atol=1e-5)
+
+
+def test_decode_after_rollback_equals_fresh_decode(pairs):
+    engine, _ = pairs["qwen2"]
+    ids = engine.tokenize_chat(MESSAGES)
+    engine.forward(ids, 0)
+    engine.forward([5, 6, 7, 8], len(ids))  # a rejected draft
+    engine.truncate(len(ids) - 2)
+    assert engine.cache_len == len(ids) - 2 and engine.cached == ids[:-2]
+    after_rollback, _ = engine.forward(ids[-2:] + [9], len(ids) - 2)
+    engine.truncate(0)
+    fresh, _ = engine.forward(ids + [9], 0)
+    assert torch.allclose(after_rollback, fresh[-3:], atol=1e-5)
+
+
+def test_forward_beyond_the_cache_is_refused(pairs):
+    engine, _ = pairs["llama"]
+    engine.truncate(0)
+    with pytest.raises(ValueError):
+        engine.forward([1, 2], 3)  # a gap: positions 0..2 were never computed
+    with pytest.raises(ValueError):
+        engine.forward(list(range(97)), 0)  # longer than the cache

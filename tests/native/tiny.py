@@ -1,0 +1,160 @@
+"""Tiny random-weight checkpoints for engine tests, written with transformers' and gguf's own writers.
+
+- `make_tokenizer(dir)`: a small byte-level BPE tokenizer with a ChatML template.
+- `make_hf_checkpoint(dir, layout)`: a transformers model (llama / llama3-rope / qwen2 / qwen3)
+  saved with `save_pretrained`, plus the tokenizer.
+- `make_gguf(path, hf_dir, qtype)`: the same weights as a llama-arch GGUF, Q/K rows permuted the
+  way llama.cpp's converter does, matrices stored as F32 / Q8_0 / Q4_1, tokenizer metadata included.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+          "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?",
+          "speculative decoding is lossless when verified", "user assistant system: numbers 0123456789",
+          "Paris is the capital of France. Berlin is the capital of Germany."] * 4
+VOCAB = 320
+
+
+def make_tokenizer(out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(out))
+    return fast
+
+
+def hf_config(layout: str, vocab: int):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    if layout == "llama":
+        return LlamaConfig(**common, rope_theta=100000.0, tie_word_embeddings=True)
+    if layout == "llama3":
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if layout == "qwen2":
+        return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
+    if layout == "qwen3":
+        return Qwen3Config(**common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False)
+    raise ValueError(layout)
+
+
+LAYOUTS = ("llama", "llama3", "qwen2", "qwen3")
+
+
+def make_hf_checkpoint(out: Path, layout: str, seed: int = 0) -> Path:
+    """A random model whose logits are far from uniform (weights scaled up), saved as safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(out)
+    cfg = hf_config(layout, len(tok))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.3 if "embed" in name else 0.15))
+    model.save_pretrained(str(out))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    return out
+
+
+def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Q/K rows for llama-arch models."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def make_gguf(path: Path, hf_dir: Path, qtype: str = "F32") -> Path:
+    """The llama (tied) checkpoint in hf_dir as a llama-arch GGUF; matrices stored as qtype."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    sd = {k: v.float().numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // n_head)
+    # tokenizer metadata, as llama.cpp writes it for a GPT-2 style BPE
+    vocab = tok.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_bos_token_id(vocab["<|im_start|>"])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_chat_template(CHATML)
+
+    qt = getattr(gguf.GGMLQuantizationType, qtype)
+
+    def put(name: str, a: np.ndarray, matrix: bool):
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if matrix and qt != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(name, a)
+
+    # embeddings stay Q8_0 when quantizing, as in the SmolLM2 GGUF
+    emb_q = gguf.GGMLQuantizationType.Q8_0 if qtype != "F32" else gguf.GGMLQuantizationType.F32
+    emb = sd["model.embed_tokens.weight"]
+    if emb_q == gguf.GGMLQuantizationType.F32:
+        w.add_tensor("token_embd.weight", emb)
+    else:
+        w.add_tensor("token_embd.weight", gguf.quants.quantize(emb, emb_q), raw_dtype=emb_q)
+    put("output_norm.weight", sd["model.norm.weight"], False)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"], False)
+        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"], False)
+        for hf_name, gg_name in names.items():
+            a = sd[p + hf_name + ".weight"]
+            if gg_name == "attn_q":
+                a = _llamacpp_permute(a, n_head)
+            elif gg_name == "attn_k":
+                a = _llamacpp_permute(a, n_kv)
+            put(f"blk.{i}.{gg_name}.weight", a, True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

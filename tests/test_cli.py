@@ -1,0 +1,64 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specchat import cli
+from tests.tiny_gguf import write_tiny_gguf
+
+
+@pytest.fixture
+def tiny_profile(isolated_dirs):
+    folder = isolated_dirs / "user-profiles"
+    folder.mkdir(parents=True, exist_ok=True)
+    write_tiny_gguf(folder / "tiny.gguf", quant="Q8_0")
+    (folder / "tiny.yaml").write_text("backend: llamacpp\nmodel: ./tiny.gguf\ncontext: 256\nthreads: 2\n"
+                                      "sampling: {max_tokens: 10}\n")
+    return "tiny"
+
+
+def test_run_json_has_the_documented_fields(tiny_profile, capsys):
+    assert cli.main(["run", "-p", tiny_profile, "hello", "--json", "--max-tokens", "6"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("profile", "backend", "method", "text", "token_ids", "tokens", "passes", "ttft_s",
+                "decode_tok_s", "wall_s", "mean_accepted", "accepted_per_position", "stop_reason"):
+        assert key in out, key
+    assert out["tokens"] == len(out["token_ids"]) <= 6 and out["backend"] == "llamacpp"
+
+
+def test_run_reads_the_prompt_from_stdin(tiny_profile, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello from stdin"))
+    assert cli.main(["run", "-p", tiny_profile, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] > 0
+
+
+def test_empty_prompt_and_bad_override_are_usage_errors(tiny_profile, capsys):
+    assert cli.main(["run", "-p", tiny_profile, "  "]) == 2
+    assert cli.main(["run", "-p", tiny_profile, "hi", "--temperature", "-2"]) == 2
+    err = capsys.readouterr().err
+    assert "empty prompt" in err and "sampling.temperature" in err and "Traceback" not in err
+
+
+def test_bench_json_per_subtask(tiny_profile, tmp_path, capsys):
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"Question {i}"]})
+                                 for i, c in enumerate(["qa", "qa", "rag", "rag"])))
+    assert cli.main(["bench", "-p", tiny_profile, "--prompts", str(prompts), "--max-tokens", "5", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["label"] for r in rows] == ["tiny"]
+    assert rows[0]["prompts"] == 4 and set(rows[0]["by_task"]) == {"qa", "rag"}
+    assert rows[0]["decode_tok_s"] > 0
+
+
+@pytest.mark.slow
+def test_run_json_on_the_real_default_model(default_gguf):
+    done = subprocess.run([sys.executable, "-m", "specchat.cli", "run", "-p", "smollm2-llamacpp",
+                           "What is the capital of France? Answer in one sentence.", "--json", "--max-tokens", "20"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert "Paris" in out["text"] and out["profile"] == "smollm2-llamacpp"
+    assert out["tokens"] > 0 and out["decode_tok_s"] > 0

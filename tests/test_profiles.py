@@ -1,0 +1,106 @@
+from pathlib import Path
+
+import pytest
+
+from specchat import cli
+from specchat.profiles import DEFAULT_PROFILE, ProfileError, load_profiles
+
+
+def write(folder: Path, name: str, text: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def user_dir(isolated_dirs):
+    return isolated_dirs / "user-profiles"
+
+
+def test_shipped_profiles_all_load():
+    ps = load_profiles()
+    assert DEFAULT_PROFILE in ps.profiles
+    assert not {k: v for k, v in ps.errors.items()}, ps.errors
+
+
+def test_user_profile_overrides_shipped_and_extends(user_dir):
+    write(user_dir, "smollm2", "backend: llamacpp\nmodel: smollm2-135m-instruct\ndescription: mine\n"
+                               "sampling: {temperature: 0.5, top_k: 10}\n")
+    write(user_dir, "child", "extends: smollm2\nsampling: {temperature: 0.9}\n")
+    ps = load_profiles()
+    assert ps.profiles["smollm2"].description == "mine"
+    child = ps.profiles["child"]
+    assert child.sampling.temperature == 0.9
+    assert child.sampling.top_k == 10  # deep-merged from the parent
+    assert child.backend == "llamacpp" and child.name == "child"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("model: m\nbackend: torch\ntemprature: 1\n", "temprature: unknown key"),
+    ("model: m\nsampling: {temperature: hot}\n", "sampling.temperature"),
+    ("model: m\nsampling: {top_p: 1.5}\n", "sampling.top_p"),
+    ("model: m\nbackend: vllm\n", "backend"),
+    ("backend: torch\n", "model: required key is missing"),
+    ("model: m\nbackend: llamacpp\nspeculative: {method: ngram}\n", "needs backend 'torch'"),
+    ("model: m\nspeculative: {method: draft}\n", "needs `drafter`"),
+    ("model: ./missing.gguf\n", "model: no file or directory"),
+    ("model: m\nspeculative: {method: draft, drafter: ./nowhere}\n", "speculative.drafter: no drafter"),
+    ("model: m\n  bad: [\n", "broken YAML at line"),
+    ("- a\n- b\n", "expected a mapping"),
+    ("", "the file is empty"),
+    ("extends: nobody\nmodel: m\n", "extends: no profile named 'nobody'"),
+    ("name: other\nmodel: m\n", "differs from the file name"),
+])
+def test_validation_is_one_clear_line_and_others_still_load(user_dir, text, expected):
+    path = write(user_dir, "broken", text)
+    ps = load_profiles()
+    msg = ps.errors["broken"]
+    assert expected in msg
+    assert str(path) in msg
+    assert "\n" not in msg and "Traceback" not in msg
+    assert DEFAULT_PROFILE in ps.profiles  # the rest still load
+    with pytest.raises(ProfileError, match="broken"):
+        ps.get("broken")
+
+
+def test_extends_cycle_is_reported(user_dir):
+    write(user_dir, "a", "extends: b\nmodel: m\n")
+    write(user_dir, "b", "extends: a\nmodel: m\n")
+    assert "cycle" in load_profiles().errors["a"]
+
+
+def test_unknown_profile_lists_the_available_ones():
+    with pytest.raises(ProfileError, match="no profile named 'nope'.*smollm2"):
+        load_profiles().get("nope")
+
+
+def test_relative_paths_resolve_against_the_profile_file(user_dir, tmp_path):
+    (user_dir / "models").mkdir(parents=True)
+    (user_dir / "models" / "m.gguf").write_bytes(b"GGUF")
+    p = write(user_dir, "local", "model: ./models/m.gguf\nbackend: llamacpp\n")
+    prof = load_profiles().profiles["local"]
+    assert prof.resolve_path(prof.model) == p.parent / "models" / "m.gguf"
+
+
+def test_target_only_and_overrides():
+    prof = load_profiles().get(DEFAULT_PROFILE)
+    ref = prof.target_only()
+    assert ref.method == "none" and ref.model == prof.model
+    assert prof.with_overrides(temperature=0.7, seed=None).sampling.temperature == 0.7
+    with pytest.raises(ProfileError, match="sampling.temperature"):
+        prof.with_overrides(temperature=-1)
+
+
+def test_cli_broken_profile_exits_2_with_one_line(user_dir, capsys):
+    write(user_dir, "broken", "model: m\nsampling: {max_tokens: many}\n")
+    assert cli.main(["run", "-p", "broken", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sampling.max_tokens" in err and "Traceback" not in err
+
+
+def test_cli_profiles_lists_good_and_broken(user_dir, capsys):
+    write(user_dir, "broken", "model: m\nbogus: 1\n")
+    assert cli.main(["profiles"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2" in out and "broken" in out and "bogus" in out
