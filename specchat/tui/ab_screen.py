@@ -25,6 +25,7 @@ from specchat.compare import IDENTICAL, Verdict, judge_text, judge_tokens, near_
 from specchat.live import Failed, Item, LiveStats, _one_line, format_rate, positions_line, pump
 from specchat.loading import messages_for, sampling_of
 from specchat.profiles import Profile, ProfileError, load_profiles
+from specchat.verify import fresh, margin_function, tie_margin_of, torch_engine_of
 from specchat.tui.widgets import ChatInput, TokenText
 
 if TYPE_CHECKING:
@@ -206,8 +207,14 @@ class ABScreen(Screen):
         self.query_one("#ab-verdict", Static).update("")
         self.running = True
         rid, cancel, q = self.run_id, self.cancel, self.events
-        spec = partial(pump, self.spec_backend, spec_req, sampling, cancel, q, (rid, "spec"))
-        ref = partial(pump, self.ref_backend, ref_req, sampling, cancel, q, (rid, "ref"))
+        spec_b, ref_b = self.spec_backend, self.ref_backend
+
+        def spec():
+            pump(fresh(spec_b), spec_req, sampling, cancel, q, (rid, "spec"))
+
+        def ref():
+            pump(fresh(ref_b), ref_req, sampling, cancel, q, (rid, "ref"))
+        self.requests = (spec_req, ref_req, sampling)
         if self.race:
             self.run_worker(spec, thread=True, group="ab", exit_on_error=False)
             self.run_worker(ref, thread=True, group="ab", exit_on_error=False)
@@ -221,6 +228,7 @@ class ABScreen(Screen):
                     ref_cancelled = Failed("not run: stopped")
                     q.put(Item((rid, "ref"), ref_cancelled, 0.0))
             self.run_worker(sequential, thread=True, group="ab", exit_on_error=False)
+        self._timer_active = True
         self._timer.resume()
 
     async def _drain(self) -> None:
@@ -258,48 +266,72 @@ class ABScreen(Screen):
         for side in touched:
             self.panes[side].render_text()
             self.panes[side].render_stats()
-        if self.running and all(p.state in ("done", "stopped", "failed") for p in self.panes.values()):
+        if self.running and self._timer_active and all(p.state in ("done", "stopped", "failed")
+                                                       for p in self.panes.values()):
+            self._timer_active = False
             self._finish()
 
     def _finish(self) -> None:
         self._timer.pause()
-        self.running = False
         spec, ref = self.panes["spec"], self.panes["ref"]
         if spec.summary is None or ref.summary is None:
+            self.running = False
             msg = spec.failed or ref.failed or "stopped"
             self.query_one("#ab-verdict", Static).update(f"no verdict: {msg}")
             return
-        v = self.judge(ref.summary, spec.summary)
-        self.verdict = v
-        if v.index is not None:
-            ref.diverge_at = self._char_offset(self.ref_backend, ref, v)
-            spec.diverge_at = self._char_offset(self.spec_backend, spec, v)
-            ref.render_text()
-            spec.render_text()
         # continue the conversation with the reference reply (identical: either one)
         conv = self.app.conv
         conv.add("user", self.prompt)
         conv.add("assistant", ref.tokens.text, profile=self.ref_profile.name)
         self.using = "reference"
+        self.query_one("#ab-verdict", Static).update("judging…")
+        # judging may run reference forward passes (margins): never on the UI thread
+        rid = self.run_id
+        self.run_worker(partial(self._judge_thread, rid, ref.summary, spec.summary), thread=True,
+                        group="ab-judge", exit_on_error=False)
+
+    def _judge_thread(self, rid: int, ref: Summary, spec: Summary) -> None:
+        try:
+            v = self.judge(ref, spec)
+            offsets = (None, None)
+            if v.index is not None:
+                offsets = (self._char_offset(self.ref_backend, self.panes["ref"], v),
+                           self._char_offset(self.spec_backend, self.panes["spec"], v))
+        except Exception as e:
+            self.app.call_from_thread(self._judged, rid, None, (None, None), _one_line(e))
+            return
+        self.app.call_from_thread(self._judged, rid, v, offsets, None)
+
+    def _judged(self, rid: int, v: Optional[Verdict], offsets, error: Optional[str]) -> None:
+        if rid != self.run_id or not self.is_attached:
+            return
+        self.running = False  # the backends are free again only now
+        if v is None:
+            self.query_one("#ab-verdict", Static).update(f"no verdict: {error}")
+            return
+        self.verdict = v
+        ref, spec = self.panes["ref"], self.panes["spec"]
+        ref.diverge_at, spec.diverge_at = offsets
+        ref.render_text()
+        spec.render_text()
         self.can_choose = v.kind != IDENTICAL
         self.show_verdict()
 
     def judge(self, ref: Summary, spec: Summary) -> Verdict:
-        if ref.token_ids and spec.token_ids:
-            margin_fn = getattr(self.ref_backend, "next_token_margin", None)
-            margin_at = None
-            if callable(margin_fn):
-                prompt = messages_for(self.ref_profile, self.app.conv.messages + [{"role": "user", "content": self.prompt}],
-                                      self.app.conv.system)
-
-                def margin_at(i, a, b):
-                    try:
-                        return margin_fn(Request(messages=prompt), ref.token_ids[:i], a, b)
-                    except Exception:
-                        return None
-            return judge_tokens(ref.token_ids, spec.token_ids, self.ref_backend.detokenize, margin_at,
-                                near_tie_margin(self.ref_profile.dtype))
-        return judge_text(ref.text, spec.text)
+        """Token alignment with `specchat.compare` (as `specchat verify`); text when a side has no ids."""
+        if not (ref.token_ids and spec.token_ids):
+            return judge_text(ref.text, spec.text)
+        spec_req, ref_req, sampling = self.requests
+        backend = self.ref_backend
+        margin_at = None
+        own = getattr(backend, "next_token_margin", None)
+        if callable(own):
+            def margin_at(i, a, b):
+                return own(ref_req, ref.token_ids[:i], a, b)
+        else:
+            margin_at = margin_function(backend, backend.prompt_ids(ref_req), ref.token_ids, sampling)
+        tie = tie_margin_of(backend) if torch_engine_of(backend) is not None else near_tie_margin(self.ref_profile.dtype)
+        return judge_tokens(ref.token_ids, spec.token_ids, backend.detokenize, margin_at, tie)
 
     @staticmethod
     def _char_offset(backend: Backend, pane: ABPane, v: Verdict) -> int:
