@@ -23,6 +23,7 @@ from specchat.conversation import Conversation
 from specchat.history import History, HistoryError
 from specchat.live import Failed, Item, _one_line, pump
 from specchat.profiles import Profile, ProfileError, load_profiles
+from specchat.verify import fresh, margin_function, tie_margin_of, torch_engine_of
 
 COMMANDS = {
     "/profile": "/profile NAME   switch profile (the conversation carries over)",
@@ -195,14 +196,17 @@ class Repl:
             return
         if echo:
             self.say(f"── reference ({self.ref_profile.name}) ──")
-        ref, ref_text = self.stream(ref_backend, request, echo=echo)
+        ref, ref_text = self.stream(fresh(ref_backend), request, echo=echo)
         if ref is None:
             return
         if ref.stop_reason == "cancelled" or spec.stop_reason == "cancelled":
             self.say("verdict: stopped before the end; compared what both produced")
         if ref.token_ids and spec.token_ids:
-            v = judge_tokens(ref.token_ids, spec.token_ids, ref_backend.detokenize, None,
-                             near_tie_margin(self.ref_profile.dtype))
+            sampling = loading.sampling_of(self.profile)
+            margin_at = margin_function(ref_backend, ref_backend.prompt_ids(request), ref.token_ids, sampling)
+            tie = (tie_margin_of(ref_backend) if torch_engine_of(ref_backend) is not None
+                   else near_tie_margin(self.ref_profile.dtype))
+            v = judge_tokens(ref.token_ids, spec.token_ids, ref_backend.detokenize, margin_at, tie)
         else:
             v = judge_text(ref_text, spec.text)
         line = f"verdict: {v.line()}"
