@@ -129,7 +129,8 @@ def main() -> int:
         profile = profile.model_copy(update={"name": "synthetic"})
     backend = SyntheticEngine(args.pass_ms) if args.synthetic else load_backend(profile)
     sampling = sampling_of(profile)
-    head = [headless_once(backend, profile, sampling)]  # warm-up run counts as the first headless sample
+    headless_once(backend, profile, sampling)  # warm-up (first-call costs), not counted
+    head = [headless_once(backend, profile, sampling)]
     tui, more = asyncio.run(tui_runs(backend, args.profile, profile, args.runs, lambda: headless_once(backend, profile, sampling)))
     head += more
     h = statistics.median(s.decode_tok_s for s in head)

@@ -17,6 +17,7 @@ from textual.widgets import Footer, LoadingIndicator
 from backends.base import Request, Summary
 from specchat.live import Failed, Item, LiveStats, format_rate, positions_line, pump
 from specchat.loading import messages_for, sampling_of
+from specchat.tui.budget import RenderBudget
 from specchat.tui.widgets import DRAFT_STYLE, AssistantMessage, ChatInput, StatusBar, UserMessage
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class ChatScreen(Screen):
         self.generation = 0
         self.generating = False
         self._shown_version = -1
+        self.budget = RenderBudget()
 
     def compose(self) -> ComposeResult:
         yield VerticalScroll(id="conversation")
@@ -162,11 +164,12 @@ class ChatScreen(Screen):
         self.run_worker(partial(pump, backend, request, sampling_of(profile), self.cancel, self.events,
                                 self.generation),
                         thread=True, group="generate", exit_on_error=False, name="generate")
+        self.budget.reset()
         self._timer.resume()
         self.refresh_status()
 
     async def _drain(self) -> None:
-        """Take everything the engine produced since the last frame and render it once."""
+        """Take everything the engine produced since the last tick; redraw when the budget allows."""
         end = None
         reply = self.reply
         while True:
@@ -183,6 +186,8 @@ class ChatScreen(Screen):
             self.live.add(ev, item.at)
             if ev.text and reply is not None:
                 reply.record(ev.text, item.draft_chars)
+        if end is None and not self.budget.due():
+            return
         if reply is not None:
             box = self.query_one("#conversation", VerticalScroll)
             follow = box.max_scroll_y - box.scroll_y <= 3  # the user has not scrolled up
@@ -192,6 +197,7 @@ class ChatScreen(Screen):
         if end is not None:
             await self._finish(end)
         self.refresh_status()
+        self.budget.drew()
 
     async def _finish(self, end) -> None:
         self._timer.pause()
