@@ -26,6 +26,7 @@ from specchat.live import Failed, Item, LiveStats, _one_line, format_rate, posit
 from specchat.loading import messages_for, sampling_of
 from specchat.profiles import Profile, ProfileError, load_profiles
 from specchat.verify import fresh, margin_function, tie_margin_of, torch_engine_of
+from specchat.tui.budget import RenderBudget
 from specchat.tui.widgets import ChatInput, TokenText
 
 if TYPE_CHECKING:
@@ -117,6 +118,7 @@ class ABScreen(Screen):
         self.verdict: Optional[Verdict] = None
         self.using = "reference"
         self.can_choose = False
+        self.budget = RenderBudget()
 
     def compose(self) -> ComposeResult:
         self.spec_profile = self.app.profile
@@ -229,10 +231,12 @@ class ABScreen(Screen):
                     q.put(Item((rid, "ref"), ref_cancelled, 0.0))
             self.run_worker(sequential, thread=True, group="ab", exit_on_error=False)
         self._timer_active = True
+        self._touched: set = set()
+        self.budget.reset()
         self._timer.resume()
 
     async def _drain(self) -> None:
-        touched = set()
+        touched, ended = set(), False
         while True:
             try:
                 item = self.events.get_nowait()
@@ -256,16 +260,23 @@ class ABScreen(Screen):
                 pane.state = "stopped" if ev.stop_reason == "cancelled" else "done"
                 if ev.text and ev.text != pane.tokens.text and ev.text.startswith(pane.tokens.text):
                     pane.tokens.add(ev.text[len(pane.tokens.text):])
+                ended = True
             elif isinstance(ev, Failed):
                 pane.failed = ev.message
                 pane.state = "failed"
+                ended = True
             else:
                 pane.live.add(ev, item.at)
                 if ev.text:
                     pane.tokens.add(ev.text, item.draft_chars)
-        for side in touched:
+        self._touched |= touched
+        if not ended and not self.budget.due():
+            return
+        for side in self._touched:
             self.panes[side].render_text()
             self.panes[side].render_stats()
+        self._touched = set()
+        self.budget.drew()
         if self.running and self._timer_active and all(p.state in ("done", "stopped", "failed")
                                                        for p in self.panes.values()):
             self._timer_active = False
