@@ -119,6 +119,7 @@ class ABScreen(Screen):
         self.using = "reference"
         self.can_choose = False
         self.budget = RenderBudget()
+        self.pending_prompt: Optional[str] = None
 
     def compose(self) -> ComposeResult:
         self.spec_profile = self.app.profile
@@ -172,6 +173,9 @@ class ABScreen(Screen):
         self.ref_profile, self.ref_backend = profile, backend
         method = "target-only" if profile.method == "none" else f"{profile.method} d={profile.speculative.depth}"
         self.query_one("#pane-ref .ab-title", Label).update(f"reference: {profile.name} ({method}, {profile.backend})")
+        if self.pending_prompt is not None:
+            prompt, self.pending_prompt = self.pending_prompt, None
+            self.start(prompt)
         if self.spec_profile.method == "none":
             self.app.notify(f"{self.spec_profile.name} is not speculative: both sides decode target-only",
                             severity="warning")
@@ -186,10 +190,11 @@ class ABScreen(Screen):
         if self.running:
             self.app.notify("still running: Esc stops both", severity="warning")
             return
-        if not self.ready:
-            self.app.notify("the reference is still loading", severity="warning")
-            return
         event.input.clear()
+        if not self.ready:
+            self.pending_prompt = event.value.strip("\n")
+            self.app.notify("the reference is still loading: the prompt runs as soon as it is ready")
+            return
         self.start(event.value.strip("\n"))
 
     def start(self, prompt: str) -> None:
@@ -326,6 +331,8 @@ class ABScreen(Screen):
         ref.render_text()
         spec.render_text()
         self.can_choose = v.kind != IDENTICAL
+        self.query_one("#ab-header", Label).update(
+            f"A/B  ·  conversation so far: {len(self.app.conv.messages)} messages")
         self.show_verdict()
 
     def judge(self, ref: Summary, spec: Summary) -> Verdict:

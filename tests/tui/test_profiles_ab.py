@@ -167,3 +167,26 @@ async def test_ab_text_fallback_and_reference_profile(profiles_dir):
         assert ab.ref_profile.name == "plain"
         assert ab.verdict.by == "text" and ab.verdict.kind == "mismatch" and ab.verdict.index == 5
         assert ab.panes["ref"].diverge_at == 5
+
+
+async def test_ab_prompt_sent_while_reference_loads_runs_when_ready(profiles_dir):
+    import threading
+
+    gate = threading.Event()
+    ref = ScriptedBackend(["same words here"])
+
+    def slow_ref():
+        gate.wait(5)
+        return ref
+
+    loader = Loader({"spec": ScriptedBackend(["same words here"], accept=[1]), "spec:target-only": slow_ref})
+    app = SpecChatApp("spec", loader=loader, start_ab=True)
+    async with app.run_test(size=(120, 32)) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, ABScreen), what="A/B")
+        ab = app.screen
+        assert not ab.ready
+        await type_and_send(pilot, "#ab-prompt", "early")
+        assert ab.verdict is None and ab.pending_prompt == "early"
+        gate.set()
+        await wait_until(pilot, lambda: ab.verdict is not None, what="verdict after load")
+        assert ab.verdict.kind == "identical" and app.conv.messages[0]["content"] == "early"
