@@ -38,6 +38,11 @@ def load_hf_model(path: Path, dtype: torch.dtype = torch.float32):
     return model.to(dtype).eval()
 
 
+def _cache_kwargs(out) -> dict:
+    """transformers 5.x names the KV cache `cache`; 4.x called it `past_key_values`."""
+    return {"cache": out["cache"]} if "cache" in out else {"past_key_values": out.past_key_values}
+
+
 class TransformersBackend(Backend):
     name = "transformers"
 
@@ -95,6 +100,6 @@ class TransformersBackend(Backend):
             if cancel is not None and cancel.is_set():
                 reason = STOP_CANCELLED
                 break
-            out = self.model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            out = self.model(torch.tensor([[token]]), **_cache_kwargs(out), use_cache=True)
             pos += 1
         yield stats.finish(reason, tail_text=detok.flush())

@@ -28,6 +28,9 @@ from backends.native.weights import Checkpoint, Int4Rows, build_model, load_hf_d
 # What the torch engine computes with: a torch dtype for everything, or "int4": GGUF Q4_0/Q4_1
 # matrices on torch's group-wise int4 kernel with bfloat16 activations (CPU only).
 PRECISIONS = ("float32", "bfloat16", "float16", "int4")
+# Precisions whose CPU matmul kernels give each row the same bits whatever the number of rows, so
+# `forward(..., exact_rows=True)` over K tokens equals K single-token passes bit for bit.
+ROW_INVARIANT_PRECISIONS = ("bfloat16", "int4")
 
 
 def physical_cores() -> int:
@@ -59,20 +62,22 @@ def has_int4(ck: Checkpoint) -> bool:
 
 
 def choose_precision(requested: str, device: torch.device, ck: Checkpoint) -> str:
-    """'auto': on CPU the int4 kernel when the GGUF holds Q4 blocks, else bfloat16 (both measured
-    fastest here, see scripts/bench_engine.py); on CUDA bfloat16."""
+    """'auto' on CPU: the int4 kernel when the GGUF holds Q4 blocks (about twice as fast as any
+    dense path for SmolLM2-135M), else float32 (exact, and bfloat16 measured no faster on CPU for
+    small models; see scripts/bench_engine.py). On CUDA: bfloat16. A fixed rule, not a timing at
+    load, so one profile always computes the same thing."""
     if requested != "auto":
         return requested
-    if device.type == "cpu" and has_int4(ck):
-        return "int4"
-    return "bfloat16"
+    if device.type != "cpu":
+        return "bfloat16"
+    return "int4" if has_int4(ck) else "float32"
 
 
 class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, model_path: str | Path, kind: str = "auto", *, precision: str = "auto",
-                 device: str = "auto", threads: int = 0, context: int = 2048):
+                 device: str = "auto", threads: int = 0, context: int = 2048, compile: bool = False):
         path = Path(model_path)
         if kind == "auto":
             kind = "gguf" if path.suffix.lower() == ".gguf" else "hf_dir"
@@ -94,6 +99,8 @@ class TorchBackend(Backend):
         self.model: Transformer = build_model(ck, dtype, self._context, int4=self.precision == "int4",
                                               device=self.device)
         del ck
+        if self.device.type == "cuda" or compile:
+            self.model.use_static_shapes(compile=compile)
         self.tokenizer = ChatTokenizer(path)
         self.eos_ids: frozenset[int] = self.tokenizer.eos_ids
         self.load_s = time.perf_counter() - started
@@ -115,20 +122,28 @@ class TorchBackend(Backend):
         return self._context
 
     @property
+    def rows_bitwise(self) -> bool:
+        """Whether forward(..., exact_rows=True) reproduces single-token passes bit for bit."""
+        return self.device.type == "cpu" and self.precision in ROW_INVARIANT_PRECISIONS and not self.model.static
+
+    @property
     def cache_len(self) -> int:
         return self.model.cache.length
 
     def forward(self, tokens: Sequence[int] | Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True) -> tuple[Tensor, dict[int, Tensor]]:
+                all_logits: bool = True, exact_rows: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
         """Run tokens at absolute positions start_pos.. (cache beyond start_pos is dropped first).
 
-        logits[i] is the distribution of the token at position start_pos + i + 1.
+        logits[i] is the distribution of the token at position start_pos + i + 1. hidden_layers:
+        layer indices (output of decoder layer i) and/or FINAL (-1, after the final norm).
+        exact_rows: see Transformer.forward; bitwise equal to single-token passes when
+        `self.rows_bitwise` is true.
         """
         if start_pos < self.cache_len:
             self.truncate(start_pos)
         ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
         t = torch.tensor([ids], dtype=torch.long, device=self.device)
-        logits, hidden = self.model(t, start_pos, hidden_layers, all_logits)
+        logits, hidden = self.model(t, start_pos, hidden_layers, all_logits, exact_rows)
         self.cached[start_pos:] = ids
         return logits, hidden
 
@@ -139,16 +154,27 @@ class TorchBackend(Backend):
     def sample(self, logits: Tensor, positions: Sequence[int] | Tensor, sampling: Sampling) -> Tensor:
         return sampler.sample(logits, positions, sampling)
 
+    def probs(self, logits: Tensor, sampling: Sampling) -> Tensor:
+        """The distribution `sample` draws from (for rejection sampling)."""
+        return sampler.probs(logits, sampling)
+
     def prefill(self, prompt: Sequence[int]) -> Tensor:
         """Bring the cache to `prompt`, reusing the longest common prefix with what is cached.
         Returns the logits [1, vocab] for the token after the prompt."""
+        return self.prefill_with_hidden(prompt)[0]
+
+    def prefill_with_hidden(self, prompt: Sequence[int], hidden_layers: tuple[int, ...] = ()
+                            ) -> tuple[Tensor, dict[int, Tensor], int]:
+        """prefill, also returning the hidden states of the positions it computed and where they
+        start: (logits [1, vocab], {layer: [len(prompt) - start, dim]}, start). Positions before
+        `start` were reused from the cache."""
         self.check_fits(len(prompt))
-        reuse = 0
+        start = 0
         limit = min(len(prompt) - 1, len(self.cached))  # at least one token is run to get logits
-        while reuse < limit and self.cached[reuse] == prompt[reuse]:
-            reuse += 1
-        logits, _ = self.forward(prompt[reuse:], reuse, all_logits=False)
-        return logits
+        while start < limit and self.cached[start] == prompt[start]:
+            start += 1
+        logits, hidden = self.forward(prompt[start:], start, hidden_layers, all_logits=False)
+        return logits, hidden, start
 
     # ---- the Backend interface ----
 

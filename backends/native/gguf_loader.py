@@ -14,7 +14,7 @@ import torch
 
 from backends.base import BackendError
 from backends.native.model import ModelConfig
-from backends.native.weights import Checkpoint, Int4Rows, progress
+from backends.native.weights import Checkpoint, Int4Rows, _refuse_unknown, progress
 
 _LAYER_NAMES = {
     "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
@@ -133,4 +133,7 @@ def load_gguf(path: Path, keep_int4: bool = False) -> Checkpoint:
     if "rope_freqs.weight" in tensors:  # llama3-style scaling stored as per-frequency divisors
         cfg.rope_scaling = {"rope_type": "freq_factors", "factors": _dense(tensors["rope_freqs.weight"]).tolist()}
     head = load("output.weight", matrix=True) if "output.weight" in tensors else None
+    known = {f"blk.{i}.{suffix}" for i in range(cfg.n_layers) for suffix in _LAYER_NAMES.values()}
+    known |= {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
+    _refuse_unknown(path, set(tensors) - known)
     return Checkpoint(cfg, embed, load("output_norm.weight"), head, layers, source=str(path))

@@ -136,28 +136,36 @@ class Block(nn.Module):
         self.qkv, self.o, self.gate_up, self.down = w["qkv"], w["o"], w["gate_up"], w["down"]
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
 
-    def forward(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, start: int,
-                cos: Tensor, sin: Tensor, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
+    def forward(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, write: slice | Tensor, span: int,
+                cos: Tensor, sin: Tensor, mask: Tensor | None, dtype: torch.dtype, exact_rows: bool = False) -> Tensor:
+        """x: the float32 residual stream [K, dim], updated in place and returned. The new keys and
+        values go to cache positions `write`; attention reads cache positions [0, span)."""
         cfg = self.cfg
         K, H, Hkv, hd, eps = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         h = F.rms_norm(x, (cfg.dim,), self.attn_norm, eps).to(dtype)
-        qkv = self.qkv(h).view(K, H + 2 * Hkv, hd)
-        q, k, v = qkv.split((H, Hkv, Hkv), dim=1)
+        qkv = self.qkv(h).to(cache_k.dtype).view(K, H + 2 * Hkv, hd)
+        qk, v = qkv[:, :H + Hkv], qkv[:, H + Hkv:]
         if self.q_norm is not None:
-            q = F.rms_norm(q.float(), (hd,), self.q_norm, eps).to(dtype)
-            k = F.rms_norm(k.float(), (hd,), self.k_norm, eps).to(dtype)
+            qk = torch.cat([F.rms_norm(qk[:, :H], (hd,), self.q_norm, eps),
+                            F.rms_norm(qk[:, H:], (hd,), self.k_norm, eps)], dim=1)
         # rotate_half(x) * sin == roll(x, hd/2) * sin_signed, with the sign folded into the table
-        q = torch.addcmul(q * cos, q.roll(hd // 2, -1), sin)
-        k = torch.addcmul(k * cos, k.roll(hd // 2, -1), sin)
-        end = start + K
-        cache_k[0, :, start:end] = k.transpose(0, 1)
-        cache_v[0, :, start:end] = v.transpose(0, 1)
-        a = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), cache_k[:, :, :end], cache_v[:, :, :end],
-                                           attn_mask=mask, enable_gqa=H != Hkv)
-        x = x + self.o(a[0].transpose(0, 1).reshape(K, H * hd)).float()
+        qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
+        cache_k[0, :, write] = qk[:, H:].transpose(0, 1)
+        cache_v[0, :, write] = v.transpose(0, 1)
+        q = qk[:, :H].transpose(0, 1).unsqueeze(0)
+        if exact_rows and K > 1:  # each row exactly as a single-token pass computes it
+            first = span - K
+            a = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], cache_k[:, :, :first + i + 1],
+                                                          cache_v[:, :, :first + i + 1], enable_gqa=H != Hkv)
+                           for i in range(K)], dim=2)
+        else:
+            a = F.scaled_dot_product_attention(q, cache_k[:, :, :span], cache_v[:, :, :span], attn_mask=mask,
+                                               enable_gqa=H != Hkv)
+        x += self.o(a[0].transpose(0, 1).reshape(K, H * hd).to(dtype))
         h = F.rms_norm(x, (cfg.dim,), self.mlp_norm, eps).to(dtype)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up).float()
+        x += self.down(F.silu(gate).mul_(up))
+        return x
 
 
 class Transformer(nn.Module):
@@ -172,15 +180,26 @@ class Transformer(nn.Module):
         self.norm = norm
         self.head = head
         self.device = embed.device
+        self.static = False  # see use_static_shapes
+        self._run_blocks = self._blocks
         self.setup_cache(max_len)
+
+    def use_static_shapes(self, compile: bool = False) -> None:
+        """Make every pass attend over the whole cache with a position mask (gpt-fast style), so
+        shapes depend only on K; with `compile`, the layers go through torch.compile
+        ("reduce-overhead": CUDA graphs on CUDA). The eager dynamic path stays the reference."""
+        self.static = True
+        self._run_blocks = torch.compile(self._blocks, mode="reduce-overhead") if compile else self._blocks
 
     def setup_cache(self, max_len: int) -> None:
         """(Re)allocate the KV cache for `max_len` positions and the RoPE tables to match."""
-        self.cache = KVCache(self.cfg, max_len, self.dtype, self.device)
+        # float32 on CPU even for bfloat16 weights: CPU attention is faster over a float32 cache
+        cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        self.cache = KVCache(self.cfg, max_len, cache_dtype, self.device)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(self.cfg))
         cos, sin = freqs.cos(), freqs.sin()
-        self.rope_cos = torch.cat([cos, cos], -1).to(self.device, self.dtype)[:, None, :]
-        self.rope_sin = torch.cat([-sin, sin], -1).to(self.device, self.dtype)[:, None, :]
+        self.rope_cos = torch.cat([cos, cos], -1).to(self.device, cache_dtype)[:, None, :]
+        self.rope_sin = torch.cat([-sin, sin], -1).to(self.device, cache_dtype)[:, None, :]
 
     @property
     def max_len(self) -> int:
@@ -188,32 +207,51 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True) -> tuple[Tensor, dict[int, Tensor]]:
+                all_logits: bool = True, exact_rows: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
         """Run tokens[1, K] at positions start_pos..start_pos+K-1 against cache[:start_pos].
 
         Returns float32 logits [K, vocab] (or [1, vocab] for the last position when
-        all_logits is False) and the hidden states of the requested layers: key i is the
-        output of decoder layer i, key FINAL (-1) the final hidden state after the norm.
+        all_logits is False) and the float32 hidden states [K, dim] of the requested layers:
+        key i is the output of decoder layer i, key FINAL (-1) the final hidden state after the norm.
         Afterwards the cache holds start_pos + K positions.
+
+        exact_rows: compute attention row by row with the single-token call, so that each row is
+        bitwise what K single-token passes give, wherever the matmul kernels are row-invariant
+        (int4 and bfloat16 on CPU are; float32 MKL is not, see ROW_INVARIANT_PRECISIONS in engine.py).
         """
+        if exact_rows and self.static:
+            raise ValueError("exact_rows needs the dynamic (eager) path")
         K = tokens.shape[-1]
         end = start_pos + K
         if start_pos > self.cache.length or end > self.cache.max_len:
             raise ValueError(f"positions {start_pos}..{end} do not fit a cache of length "
                              f"{self.cache.length} / {self.cache.max_len}")
         x = self.embed[tokens.reshape(-1)].float()
-        cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
-        mask = None
-        if K > 1:
-            rows = torch.arange(start_pos, end, device=self.device)[:, None]
-            mask = torch.arange(end, device=self.device)[None, :] <= rows
+        if self.static:
+            write = torch.arange(start_pos, end, device=self.device)
+            span = self.cache.max_len
+            mask = torch.arange(span, device=self.device)[None, :] <= write[:, None]
+        else:
+            write, span = slice(start_pos, end), end
+            mask = None
+            if K > 1:
+                rows = torch.arange(start_pos, end, device=self.device)[:, None]
+                mask = torch.arange(end, device=self.device)[None, :] <= rows
+        x, hidden = self._run_blocks(x, write, span, self.rope_cos[write], self.rope_sin[write], mask,
+                                     tuple(hidden_layers), exact_rows)
+        self.cache.length = end
+        if FINAL in hidden_layers:
+            x = hidden[FINAL] = F.rms_norm(x, (self.cfg.dim,), self.norm, self.cfg.norm_eps)
+            x = x if all_logits else x[-1:]
+        else:
+            x = F.rms_norm(x if all_logits else x[-1:], (self.cfg.dim,), self.norm, self.cfg.norm_eps)
+        return self.head(x.to(self.dtype)).float(), hidden
+
+    def _blocks(self, x: Tensor, write: slice | Tensor, span: int, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                hidden_layers: tuple[int, ...], exact_rows: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
         hidden: dict[int, Tensor] = {}
         for i, block in enumerate(self.blocks):
-            x = block(x, self.cache.k[i], self.cache.v[i], start_pos, cos, sin, mask, self.dtype)
+            x = block(x, self.cache.k[i], self.cache.v[i], write, span, cos, sin, mask, self.dtype, exact_rows)
             if i in hidden_layers:
-                hidden[i] = x
-        self.cache.length = end
-        x = F.rms_norm(x if all_logits else x[-1:], (self.cfg.dim,), self.norm, self.cfg.norm_eps)
-        if FINAL in hidden_layers:
-            hidden[FINAL] = x
-        return self.head(x.to(self.dtype)).float(), hidden
+                hidden[i] = x.clone()  # x is updated in place by the next layer
+        return x, hidden

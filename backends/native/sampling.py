@@ -35,34 +35,51 @@ def _position_key(seed: int, position: int) -> int:
     return _mix32((_mix32((seed & _M32) ^ 0x5BD1E995) + position * 0x9E3779B9) & _M32)
 
 
-def uniform_noise(seed: int, positions: Sequence[int], vocab: int, device=None) -> Tensor:
-    """Uniforms in (0, 1), float64 [len(positions), vocab], keyed by (seed, position, token id)."""
+def uniform_noise(seed: int, positions: Sequence[int], ids: int | Tensor, device=None) -> Tensor:
+    """Uniforms in (0, 1), float64, keyed by (seed, position, token id): [len(positions), vocab]
+    for ids = vocab size, or the shape of `ids` ([len(positions), C] token ids per position)."""
     keys = torch.tensor([_position_key(seed, int(p)) for p in positions], dtype=torch.int64, device=device)
-    ids = torch.arange(vocab, dtype=torch.int64, device=device)
-    h = _mix32((keys[:, None] ^ _mix32(ids + 0x632BE5AB)[None, :]) & _M32)
+    if isinstance(ids, int):
+        ids = torch.arange(ids, dtype=torch.int64, device=device)[None, :]
+    h = _mix32((keys[:, None] ^ _mix32(ids.long() + 0x632BE5AB)) & _M32)
     h = _mix32((h + 0x68E31DA4) & _M32)  # a second round decorrelates neighbouring ids and keys
     return ((h >> 8).double() + 0.5) / (1 << 24)
 
 
-def gumbel_noise(seed: int, positions: Sequence[int], vocab: int, device=None) -> Tensor:
-    u = uniform_noise(seed, positions, vocab, device)
+def gumbel_noise(seed: int, positions: Sequence[int], ids: int | Tensor, device=None) -> Tensor:
+    u = uniform_noise(seed, positions, ids, device)
     return (-torch.log(-torch.log(u))).float()
+
+
+_NUCLEUS_GUESS = 1024  # top-p first looks for the nucleus among this many best tokens
+
+
+def candidates(logits: Tensor, s: Sampling) -> tuple[Tensor, Tensor]:
+    """The tokens sampling may pick and their tempered logits, best first: (ids [K, C],
+    logits / T [K, C]) with -inf where top-p drops a token. C = V without top-k / top-p."""
+    x = logits.float() / s.temperature
+    K, V = x.shape
+    if s.top_k <= 0 and s.top_p >= 1.0:
+        return torch.arange(V, device=x.device).expand(K, V), x
+    if s.top_k > 0:
+        vals, ids = torch.topk(x, min(s.top_k, V), dim=-1)
+        log_total = torch.logsumexp(vals, dim=-1, keepdim=True)  # top-p renormalises over the top-k
+    else:
+        log_total = torch.logsumexp(x, dim=-1, keepdim=True)
+        vals, ids = torch.topk(x, min(_NUCLEUS_GUESS, V), dim=-1)
+        if (torch.exp(vals - log_total).sum(-1) < s.top_p).any():  # nucleus larger: sort everything
+            vals, ids = torch.sort(x, dim=-1, descending=True)
+    if s.top_p < 1.0:
+        p = torch.exp(vals - log_total)
+        mass_before = torch.cumsum(p, dim=-1) - p
+        vals = vals.masked_fill(mass_before >= s.top_p, float("-inf"))  # keeps at least the best token
+    return ids, vals
 
 
 def filtered_logits(logits: Tensor, s: Sampling) -> Tensor:
     """logits / T with everything outside top-k and top-p set to -inf (float32, [K, V])."""
-    x = logits.float() / s.temperature
-    if s.top_k > 0 and s.top_k < x.shape[-1]:
-        kth = torch.topk(x, s.top_k, dim=-1).values[:, -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if s.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        p = torch.softmax(sorted_x, dim=-1)
-        mass_before = torch.cumsum(p, dim=-1) - p
-        drop_sorted = mass_before >= s.top_p  # keeps the smallest prefix reaching top_p (at least one)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    return x
+    ids, vals = candidates(logits, s)
+    return torch.full(logits.shape, float("-inf"), device=logits.device).scatter(-1, ids, vals)
 
 
 def probs(logits: Tensor, s: Sampling) -> Tensor:
@@ -82,5 +99,6 @@ def sample(logits: Tensor, positions: Sequence[int] | Tensor, s: Sampling) -> Te
         positions = positions.tolist()
     if len(positions) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} logits rows but {len(positions)} positions")
-    g = gumbel_noise(s.seed, positions, logits.shape[-1], logits.device)
-    return (filtered_logits(logits, s) + g).argmax(-1)
+    ids, vals = candidates(logits, s)
+    g = gumbel_noise(s.seed, positions, ids, logits.device)
+    return ids.gather(-1, (vals + g).argmax(-1, keepdim=True)).squeeze(-1)

@@ -121,9 +121,12 @@ def load_hf_dir(path: Path) -> Checkpoint:
                     tensors[name] = st.get_tensor(name).float()
                     advance()
 
+    used: set[str] = set()
+
     def take(name: str, required: bool = True) -> Tensor | None:
         if name not in tensors and required:
             raise BackendError(f"{path}: tensor {name} missing; is this a Llama/Qwen-style checkpoint?")
+        used.add(name)
         return tensors.get(name)
 
     layers = []
@@ -131,8 +134,17 @@ def load_hf_dir(path: Path) -> Checkpoint:
         layer = {k: take(f"{prefix}layers.{i}.{n}", k in LAYER_KEYS) for k, n in _HF_LAYER_NAMES.items()}
         layers.append({k: v for k, v in layer.items() if v is not None})
     head = None if cfg.tie_embeddings else take("lm_head.weight", required=False)
-    return Checkpoint(cfg, take(prefix + "embed_tokens.weight"), take(prefix + "norm.weight"), head, layers,
-                      source=str(path))
+    embed, norm = take(prefix + "embed_tokens.weight"), take(prefix + "norm.weight")
+    _refuse_unknown(path, set(tensors) - used - {"lm_head.weight"})
+    return Checkpoint(cfg, embed, norm, head, layers, source=str(path))
+
+
+def _refuse_unknown(path: Path, names: set[str]) -> None:
+    """Weights we would silently ignore (an o_proj bias, an MoE, an MTP head...) mean a different model."""
+    names = {n for n in names if not n.endswith("rotary_emb.inv_freq")}
+    if names:
+        raise BackendError(f"{path}: {len(names)} tensors the torch engine does not know "
+                           f"(e.g. {sorted(names)[0]}); this architecture is not supported, use backend: llamacpp")
 
 
 # ---- building the model ----

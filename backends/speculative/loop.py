@@ -104,10 +104,13 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
     tokens = list(prompt) + [first]
     drafter.start(prompt, hidden, sampling)
 
-    def emit(new: list[int], drafted: int, accepted: int) -> tuple[Step, bool]:
+    def emit(new: list[int], drafted: int, accepted: int) -> tuple[Optional[Step], bool]:
+        """The pass's tokens up to any end-of-sequence token; a pass that only ends the reply
+        is not counted, as in target-only decoding."""
         cut = next((i for i, t in enumerate(new) if t in target.eos_ids), None)
         kept = new if cut is None else new[:cut]
-        return stats.add(Step(kept, detok.add(kept), drafted, min(accepted, len(kept)))), cut is not None
+        step = stats.add(Step(kept, detok.add(kept), drafted, min(accepted, len(kept)))) if kept else None
+        return step, cut is not None
 
     step, hit_eos = emit([first], 0, 0)
     if hit_eos:
@@ -145,7 +148,7 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
         tokens.extend(new)
         drafter.commit(tokens, {layer: h[:verdict.accepted + 1] for layer, h in hidden.items()})
         step, hit_eos = emit(new, len(d), verdict.accepted)
-        if step.token_ids:
+        if step is not None:
             yield step
         if hit_eos:
             reason = STOP_EOS

@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from backends.base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, BackendError, Request,
                            Sampling, Step, Summary, run_to_summary)
@@ -108,3 +109,26 @@ def test_second_turn_reuses_the_cache_and_matches_a_fresh_engine(engine, tiny_di
         del engine.model.forward
     assert calls[0] == (common, len(prompt) - common)  # only the new part was prefilled
     assert reply.token_ids == fresh_reply(tiny_dirs, Request(messages=turn2), Sampling(max_tokens=8)).token_ids
+
+
+def test_transformers_reference_backend_streams_the_same_reply(tiny_dirs, engine):
+    from backends.hf_reference import TransformersBackend
+
+    reference = TransformersBackend(tiny_dirs["llama"], context=64)
+    for s in (Sampling(max_tokens=12), Sampling(temperature=0.8, top_k=20, seed=5, max_tokens=12)):
+        ours = run_to_summary(engine.stream(Request(messages=HELLO), s))
+        theirs = run_to_summary(reference.stream(Request(messages=HELLO), s))
+        assert theirs.token_ids == ours.token_ids and theirs.stop_reason == ours.stop_reason
+
+
+def test_prefill_with_hidden_reports_what_it_computed(engine):
+    from backends.native.model import FINAL
+
+    prompt = engine.tokenize_chat(HELLO)
+    engine.truncate(0)
+    logits, hidden, start = engine.prefill_with_hidden(prompt, (0, FINAL))
+    assert start == 0 and hidden[0].shape[0] == len(prompt) and hidden[FINAL].shape[0] == len(prompt)
+    longer = prompt + [5, 6, 7]
+    logits2, hidden2, start2 = engine.prefill_with_hidden(longer, (FINAL,))
+    assert start2 == len(prompt) and hidden2[FINAL].shape[0] == 3
+    assert torch.allclose(engine.probs(logits2, Sampling(temperature=1.0)).sum(), torch.tensor(1.0))

@@ -79,7 +79,7 @@ def test_int4_model_is_close_to_dequantized_float32(tiny_ggufs):
 
 def test_auto_precision_picks_int4_for_q4_gguf_on_cpu(tiny_ggufs):
     assert TorchBackend(tiny_ggufs["Q4_1"], context=32).precision == "int4"
-    assert TorchBackend(tiny_ggufs["F32"], context=32).precision == "bfloat16"
+    assert TorchBackend(tiny_ggufs["F32"], context=32).precision == "float32"
 
 
 def test_gguf_tokenizer_is_cached_and_identical(tiny_ggufs, tmp_path, monkeypatch):
@@ -102,3 +102,17 @@ def test_unsupported_or_broken_gguf_is_one_clear_line(tmp_path):
     with pytest.raises(BackendError) as e:
         load_gguf(bad)
     assert "broken.gguf" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_weights_are_refused_not_ignored(tiny_dirs, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "extra"
+    shutil.copytree(tiny_dirs["llama"], d)
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(BackendError, match="o_proj.bias"):
+        load_hf_dir(d)

@@ -33,6 +33,9 @@ def test_logits_and_hidden_states_match_transformers(pairs, layout):
     assert torch.allclose(hidden[0], ref.hidden_states[1][0], atol=1e-5)
     assert torch.allclose(hidden[1], ref.hidden_states[2][0], atol=1e-5)
     assert torch.allclose(hidden[FINAL], ref.hidden_states[-1][0], atol=1e-5)
+    engine.truncate(0)
+    last_logits, last_hidden = engine.forward(ids, 0, hidden_layers=(FINAL,), all_logits=False)
+    assert torch.allclose(last_logits, logits[-1:], atol=1e-5) and last_hidden[FINAL].shape == (len(ids), hf.config.hidden_size)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -87,3 +90,37 @@ def test_forward_beyond_the_cache_is_refused(pairs):
         engine.forward([1, 2], 3)  # a gap: positions 0..2 were never computed
     with pytest.raises(ValueError):
         engine.forward(list(range(97)), 0)  # longer than the cache
+
+
+def test_static_shapes_path_equals_dynamic_path(tiny_dirs):
+    """The static-shape path (for torch.compile / CUDA graphs) computes what the eager path does."""
+    dynamic = TorchBackend(tiny_dirs["qwen3"], precision="float32", context=48)
+    static = TorchBackend(tiny_dirs["qwen3"], precision="float32", context=48)
+    static.model.use_static_shapes(compile=False)
+    ids = dynamic.tokenize_chat(MESSAGES)
+    for engine in (dynamic, static):
+        engine.forward([9] * 40, 0)  # stale entries beyond the rollback point must be masked out
+        engine.truncate(0)
+    a, _ = dynamic.forward(ids, 0)
+    b, _ = static.forward(ids, 0)
+    assert torch.allclose(a, b, atol=1e-5)
+    a, _ = dynamic.forward([7], len(ids))
+    b, _ = static.forward([7], len(ids))
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "int4"])
+def test_exact_rows_block_is_bitwise_equal_to_single_token_passes(tiny_ggufs, precision):
+    """What makes greedy speculative output identical to target-only: the verify pass over K
+    tokens gives each position the very bits a single-token decode pass gives."""
+    engine = TorchBackend(tiny_ggufs["Q4_1"], precision=precision, context=64)
+    assert engine.rows_bitwise
+    ids = engine.tokenize_chat(MESSAGES)
+    prefix, block = ids[:-7], ids[-7:]
+    engine.forward(prefix, 0)
+    block_logits, block_hidden = engine.forward(block, len(prefix), hidden_layers=(1, FINAL), exact_rows=True)
+    engine.truncate(len(prefix))
+    singles = [engine.forward([t], len(prefix) + i, hidden_layers=(1, FINAL)) for i, t in enumerate(block)]
+    assert torch.equal(block_logits, torch.cat([s[0] for s in singles]))
+    assert torch.equal(block_hidden[FINAL], torch.cat([s[1][FINAL] for s in singles]))
+    assert torch.equal(block_hidden[1], torch.cat([s[1][1] for s in singles]))

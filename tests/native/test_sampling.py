@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.base import Sampling
-from backends.native.sampling import probs, sample, uniform_noise
+from backends.native.sampling import filtered_logits, gumbel_noise, probs, sample, uniform_noise
 
 
 def test_greedy_is_argmax():
@@ -27,15 +27,15 @@ def test_same_seed_and_position_give_the_same_token_every_time():
 def test_noise_is_pinned():
     """The noise must not drift across versions or platforms: these values are part of the
     contract (a recorded seeded transcript must replay)."""
-    u = uniform_noise(seed=1234, positions=[0, 99], vocab=4)
+    u = uniform_noise(seed=1234, positions=[0, 99], ids=4)
     assert u.dtype == torch.float64
     assert (u * (1 << 24) - 0.5).long().tolist() == [[1550758, 15336449, 10142830, 11689204],
                                                      [10667555, 13837167, 10735167, 11493684]]
-    assert uniform_noise(seed=1235, positions=[0], vocab=4)[0].tolist() != u[0].tolist()
+    assert uniform_noise(seed=1235, positions=[0], ids=4)[0].tolist() != u[0].tolist()
 
 
 def test_noise_is_uniform_and_uncorrelated_across_neighbours():
-    u = uniform_noise(seed=0, positions=list(range(64)), vocab=4096)
+    u = uniform_noise(seed=0, positions=list(range(64)), ids=4096)
     assert abs(u.mean().item() - 0.5) < 0.01
     assert abs(u.var().item() - 1 / 12) < 0.003
     x = (u - 0.5).flatten()
@@ -86,3 +86,15 @@ def test_probs_apply_temperature_top_k_and_top_p():
     assert (p > 0).tolist() == [True, True, False, False]
     assert torch.allclose(p[:2], p_full[:2] / p_full[:2].sum())
     assert probs(logits, Sampling())[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("s", [Sampling(temperature=0.7), Sampling(temperature=0.7, top_k=50),
+                               Sampling(temperature=1.0, top_p=0.9), Sampling(temperature=3.0, top_p=0.99),
+                               Sampling(temperature=0.9, top_k=3000, top_p=0.95)])
+def test_sampling_candidates_equal_the_dense_gumbel_max(s):
+    """Noise is drawn only for candidate tokens; the pick must be what argmax over the whole
+    vocabulary with full noise gives (temperature 3 makes the nucleus exceed the first guess)."""
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(1)) * 4
+    positions = list(range(100, 106))
+    dense = (filtered_logits(logits, s) + gumbel_noise(s.seed, positions, 5000)).argmax(-1)
+    assert torch.equal(sample(logits, positions, s), dense)

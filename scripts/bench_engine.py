@@ -1,0 +1,157 @@
+"""Decode speed of the torch engine (every precision) against transformers, on one model.
+
+    python3 scripts/bench_engine.py [--model PATH] [--tokens 128] [--threads 0] [--rows ...]
+
+Each row runs in its own process (so peak RSS is per row). Decode tok/s is tokens after the
+first per second after the first, for a forced-length reply (eos ignored) to a chat prompt;
+the best of --repeats runs is reported, since other work on the machine only ever slows a run.
+Also reports the engine's single-token forward time next to a weight-streaming estimate:
+bytes of weights read per token / measured memory bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+ROWS = ["torch:float32", "torch:bfloat16", "torch:int4", "transformers:float32", "transformers:bfloat16"]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory_bandwidth_gbs() -> float:
+    """Best-of read bandwidth summing a 256 MiB float32 tensor."""
+    import torch
+
+    x = torch.ones(64 * 1024 * 1024)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of matmul weights a single-token forward reads (embedding row lookup excluded)."""
+    total = 0
+    for lin in [b for blk in model.blocks for b in (blk.qkv, blk.o, blk.gate_up, blk.down)] + [model.head]:
+        if lin.int4 is not None:
+            packed, sz, _ = lin.int4
+            total += packed.numel() * packed.element_size() + sz.numel() * sz.element_size()
+        else:
+            total += lin.weight.numel() * lin.weight.element_size()
+    return total
+
+
+def run_torch(model_path: str, precision: str, tokens: int, threads: int, repeats: int) -> dict:
+    import torch
+
+    from backends.base import Request, Sampling, run_to_summary
+    from backends.native.engine import TorchBackend
+
+    t = time.perf_counter()
+    engine = TorchBackend(model_path, precision=precision, threads=threads, context=1024)
+    load_s = time.perf_counter() - t
+    engine.eos_ids = frozenset()  # forced length
+    best = 0.0
+    for _ in range(repeats):
+        engine.truncate(0)
+        s = run_to_summary(engine.stream(Request(messages=PROMPT), Sampling(max_tokens=tokens)))
+        best = max(best, s.decode_tok_s)
+    # single-token forward, best of many, at a mid-reply position
+    pos = engine.cache_len
+    engine.truncate(pos - 1)
+    times = []
+    for _ in range(30):
+        engine.truncate(pos - 1)
+        t = time.perf_counter()
+        engine.forward([42], pos - 1, all_logits=False)
+        times.append(time.perf_counter() - t)
+    wbytes = weight_bytes_per_token(engine.model)
+    return {"row": f"torch:{precision}", "decode_tok_s": best, "load_s": load_s, "peak_rss_mb": peak_rss_mb(),
+            "forward_ms": min(times) * 1e3, "weight_mb": wbytes / 1e6, "threads": torch.get_num_threads()}
+
+
+def run_transformers(model_path: str, dtype: str, tokens: int, threads: int, repeats: int) -> dict:
+    import torch
+
+    from backends.hf_reference import load_hf_model
+    from backends.native.engine import physical_cores
+    from backends.native.tokenizer import ChatTokenizer
+
+    torch.set_num_threads(threads or physical_cores())
+    t = time.perf_counter()
+    model = load_hf_model(Path(model_path), getattr(torch, dtype))
+    load_s = time.perf_counter() - t
+    ids = torch.tensor([ChatTokenizer(Path(model_path)).encode_chat(PROMPT)])
+
+    def gen(n: int) -> float:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+        return time.perf_counter() - t
+
+    best = 0.0
+    for _ in range(repeats):
+        first, full = gen(1), gen(tokens)
+        best = max(best, (tokens - 1) / (full - first))
+    return {"row": f"transformers:{dtype}", "decode_tok_s": best, "load_s": load_s, "peak_rss_mb": peak_rss_mb(),
+            "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="GGUF file or model directory (default: the default model)")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rows", nargs="*", default=ROWS)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one row, print JSON
+    args = ap.parse_args()
+    if args.model is None:
+        from specchat.models import pull
+
+        args.model = str(pull())
+    if args.one:
+        kind, setting = args.one.split(":")
+        run = run_torch if kind == "torch" else run_transformers
+        print(json.dumps(run(args.model, setting, args.tokens, args.threads, args.repeats)))
+        return
+    bandwidth = memory_bandwidth_gbs()
+    load = os.getloadavg()[0]
+    print(f"model: {args.model}\nmemory read bandwidth: {bandwidth:.1f} GB/s; {args.tokens} tokens, "
+          f"best of {args.repeats}; load average {load:.1f} on {os.cpu_count()} CPUs "
+          f"(other work on the machine slows every row)\n")
+    print(f"{'row':24} {'decode tok/s':>12} {'load s':>7} {'peak RSS MB':>12}  single-token forward")
+    for row in args.rows:
+        cmd = [sys.executable, __file__, "--model", args.model, "--tokens", str(args.tokens), "--threads",
+               str(args.threads), "--repeats", str(args.repeats), "--one", row]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            print(f"{row:24} failed: {out.stderr.strip().splitlines()[-1:]}")
+            continue
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        extra = ""
+        if "forward_ms" in r:
+            estimate = r["weight_mb"] / 1e3 / bandwidth * 1e3
+            extra = (f"{r['forward_ms']:.2f} ms vs {estimate:.2f} ms to stream {r['weight_mb']:.0f} MB of weights")
+        print(f"{row:24} {r['decode_tok_s']:12.1f} {r['load_s']:7.1f} {r['peak_rss_mb']:12.0f}  {extra}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

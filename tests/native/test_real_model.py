@@ -1,0 +1,56 @@
+"""The engine on the real default model (SmolLM2-135M-Instruct, GGUF Q4_1)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.base import STOP_EOS, Request, Sampling, run_to_summary
+from backends.hf_reference import load_hf_model
+from backends.native.engine import TorchBackend
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(real_gguf):
+    return TorchBackend(real_gguf, precision="float32", context=512)
+
+
+def test_chat_template_renders_smollm2_chatml(fp32_engine):
+    ids = fp32_engine.tokenize_chat(QUESTION)
+    text = fp32_engine.tokenizer.hf.decode(ids)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert ids.count(fp32_engine.tokenizer.hf.convert_tokens_to_ids("<|im_start|>")) == 3  # no extra BOS
+    assert fp32_engine.eos_ids == {2}  # <|im_end|>
+
+
+def test_logits_match_transformers_on_dequantized_weights(fp32_engine, real_gguf):
+    hf = load_hf_model(real_gguf)
+    ids = fp32_engine.tokenize_chat(QUESTION)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    fp32_engine.truncate(0)
+    logits, _ = fp32_engine.forward(ids, 0)
+    assert (logits - ref).abs().max().item() < 2e-3  # logits are O(30); 30 layers of float32
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("precision", ["float32", "int4"])
+def test_greedy_reply_is_sensible(real_gguf, fp32_engine, precision):
+    engine = fp32_engine if precision == "float32" else TorchBackend(real_gguf, precision=precision, context=512)
+    summary = run_to_summary(engine.stream(Request(messages=QUESTION), Sampling(max_tokens=40)))
+    assert summary.stop_reason == STOP_EOS
+    assert "Paris" in summary.text
+
+
+def test_int4_verify_block_is_bitwise_a_decode_pass(real_gguf):
+    engine = TorchBackend(real_gguf, precision="int4", context=256)
+    assert engine.rows_bitwise
+    ids = engine.tokenize_chat(QUESTION)
+    engine.forward(ids, 0)
+    block = [504, 3458, 282, 4649, 314, 216]
+    logits, _ = engine.forward(block, len(ids), exact_rows=True)
+    engine.truncate(len(ids))
+    singles = torch.cat([engine.forward([t], len(ids) + i)[0] for i, t in enumerate(block)])
+    assert torch.equal(logits, singles)

@@ -1,0 +1,58 @@
+"""A tiny target, a different tiny draft model with the same tokenizer, and helpers to compare
+speculative output with target-only output."""
+from __future__ import annotations
+
+import pytest
+
+from backends.base import Request, Sampling, run_to_summary
+from backends.native.engine import TorchBackend
+from backends.speculative.backend import SpeculativeBackend
+from backends.speculative.drafters import DraftModelDrafter, NgramDrafter
+from specchat.compare import judge_tokens
+from specchat.verify import fresh, margin_function
+from tests.native.tiny import make_hf_checkpoint
+
+PROMPTS = [[{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}],
+           [{"role": "user", "content": "hello world, how are you today? Paris is the capital of France."}]]
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    return make_hf_checkpoint(root / "target", "llama", seed=11), make_hf_checkpoint(root / "draft", "llama", seed=12)
+
+
+def engine(path, precision="float32") -> TorchBackend:
+    return TorchBackend(path, "hf_dir", precision=precision, threads=2, context=256)
+
+
+@pytest.fixture(scope="session")
+def target(tiny_pair):
+    return engine(tiny_pair[0])
+
+
+@pytest.fixture(scope="session")
+def drafters(tiny_pair):
+    """name -> factory(acceptance) of drafters: n-gram, a different model, the target itself."""
+    draft_engine, self_engine = engine(tiny_pair[1]), engine(tiny_pair[0])
+    return {
+        "ngram": lambda acceptance: NgramDrafter(1, 3),
+        "draft": lambda acceptance: DraftModelDrafter(draft_engine, want_q=acceptance == "rejection"),
+        "self": lambda acceptance: DraftModelDrafter(self_engine, want_q=acceptance == "rejection"),
+    }
+
+
+def compare(target, drafter, depth, sampling, messages=PROMPTS[0], acceptance="exact"):
+    """(reference summary, speculative summary, verdict) for one prompt."""
+    spec = SpeculativeBackend(target, drafter, depth, acceptance)
+    request = Request(messages=messages)
+    ref = run_to_summary(fresh(target).stream(request, sampling))
+    out = run_to_summary(fresh(spec).stream(request, sampling))
+    prompt = target.prompt_ids(request)
+    verdict = judge_tokens(ref.token_ids, out.token_ids, target.detokenize,
+                           margin_function(target, prompt, ref.token_ids, sampling), 1e-4)
+    return ref, out, verdict
+
+
+SAMPLINGS = [Sampling(max_tokens=40), Sampling(temperature=0.8, seed=3, max_tokens=40),
+             Sampling(temperature=1.2, top_k=20, top_p=0.9, seed=5, max_tokens=40)]

@@ -1,0 +1,56 @@
+"""The central invariant: speculative output == target-only output, for every drafter, depth and
+sampling mode (exact acceptance, same seed)."""
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backends.base import Sampling
+from tests.speculative.conftest import PROMPTS, SAMPLINGS, compare
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "self"])
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "t1.2-topk-topp"])
+def test_speculative_equals_target_only(target, drafters, method, depth, sampling):
+    ref, out, verdict = compare(target, drafters[method]("exact"), depth, sampling)
+    assert verdict.kind == "identical", verdict.line()
+    assert out.tokens == ref.tokens and out.stop_reason == ref.stop_reason
+    assert out.passes <= ref.passes
+
+
+def test_self_drafting_accepts_every_draft_under_greedy(target, drafters):
+    depth = 4
+    ref, out, verdict = compare(target, drafters["self"]("exact"), depth, Sampling(max_tokens=41))
+    assert verdict.kind == "identical"
+    # 1 token from the prefill, then full passes of depth + 1 tokens.
+    assert out.accepted_tokens == out.draft_tokens
+    assert out.passes == 1 + (41 - 1) // (depth + 1)
+    assert out.mean_accepted == depth + 1
+    assert out.acceptance_by_position == [1.0] * depth
+
+
+def test_self_drafting_at_temperature_shares_the_noise(target, drafters):
+    # The draft model samples with the target's position-keyed noise, so drafting with the
+    # target itself is always right, at any temperature.
+    ref, out, verdict = compare(target, drafters["self"]("exact"), 3, Sampling(temperature=1.0, seed=9, max_tokens=30))
+    assert verdict.kind == "identical" and out.acceptance_rate == 1.0
+
+
+def test_multi_turn_prefix_reuse_keeps_parity(target, drafters):
+    convo = PROMPTS[1] + [{"role": "assistant", "content": "fine"}, {"role": "user", "content": "the lazy dog"}]
+    for messages in (PROMPTS[1], convo):
+        _, _, verdict = compare(target, drafters["draft"]("exact"), 3, Sampling(max_tokens=30), messages)
+        assert verdict.kind == "identical", verdict.line()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(method=st.sampled_from(["ngram", "draft"]), depth=st.integers(1, 8),
+       temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5]), top_k=st.sampled_from([0, 1, 5, 50]),
+       top_p=st.sampled_from([1.0, 0.95, 0.5]), seed=st.integers(0, 2**31 - 1),
+       prompt=st.sampled_from(PROMPTS), max_tokens=st.integers(1, 30))
+def test_property_speculative_equals_target_only(target, drafters, method, depth, temperature, top_k, top_p,
+                                                 seed, prompt, max_tokens):
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
+    ref, out, verdict = compare(target, drafters[method]("exact"), depth, sampling, prompt)
+    assert verdict.kind == "identical", verdict.line()
+    assert out.stop_reason == ref.stop_reason

@@ -1,0 +1,87 @@
+"""Plant the classic speculative-decoding bugs into a copy of the real code and show that the
+checks catch each one: `specchat verify`'s comparison reports a mismatch, or (for drafter bugs,
+which exact acceptance makes harmless to the output) the self-drafting bookkeeping check fails.
+Each mutation names the exact line it changes, so these tests break loudly if the code moves."""
+import inspect
+import sys
+import types
+
+import pytest
+
+import backends.speculative.drafters as drafters_module
+import backends.speculative.loop as loop_module
+from backends.base import Request, Sampling, run_to_summary
+from backends.speculative import backend as backend_module
+from specchat.compare import MISMATCH
+from specchat.verify import check_prompt
+from tests.speculative.conftest import PROMPTS, engine
+
+LOOP_BUGS = {
+    "off-by-one in the accepted count": [  # keeps the first rejected draft too, cache and all
+        ("new = verdict.tokens(d)", "new = list(d[:verdict.accepted + 1]) + [verdict.token]"),
+        ("target.truncate(n + verdict.accepted)", "target.truncate(min(n + verdict.accepted + 1, n + len(d)))")],
+    "KV cache not rolled back": [  # rejected drafts stay in the cache; the next block goes after them
+        ("target.truncate(n + verdict.accepted)", "target.truncate(n + len(d))"),
+        ("target.forward([tokens[-1]] + d, n - 1, layers)", "target.forward([tokens[-1]] + d, len(target.cached), layers)")],
+    "bonus token dropped": [
+        ("step, hit_eos = emit(new, len(d), verdict.accepted)",
+         "step, hit_eos = emit(new[:-1] if d and verdict.accepted == len(d) else new, len(d), verdict.accepted)")],
+    "target verified at the wrong positions": [
+        ("positions = list(range(n, n + len(d) + 1))", "positions = list(range(n + 1, n + len(d) + 2))")],
+}
+
+DRAFTER_BUGS = {
+    "drafter fed the previous position's token": [
+        ("logits, _ = e.forward(tokens[reuse:], reuse, all_logits=False)",
+         "logits, _ = e.forward(list(tokens[reuse:-1]) + [tokens[-2]], reuse, all_logits=False)")],
+    "drafter samples with the wrong position's noise": [
+        ("token = int(e.sample(logits, [n + i], self.sampling)[0])", "token = int(e.sample(logits, [n + i + 1], self.sampling)[0])")],
+}
+
+
+def mutate(module, edits) -> types.ModuleType:
+    source = inspect.getsource(module)
+    for old, new in edits:
+        assert source.count(old) == 1, f"the line to mutate is gone or ambiguous: {old}"
+        source = source.replace(old, new)
+    mutant = types.ModuleType(module.__name__ + "_mutant")
+    sys.modules[mutant.__name__] = mutant  # dataclasses look their module up there
+    exec(compile(source, module.__file__, "exec"), mutant.__dict__)
+    return mutant
+
+
+@pytest.fixture
+def self_drafter(tiny_pair):
+    return lambda cls: cls.DraftModelDrafter(engine(tiny_pair[0]))
+
+
+@pytest.mark.parametrize("bug", sorted(LOOP_BUGS))
+def test_verify_reports_a_mismatch_for_each_loop_bug(bug, target, drafters, monkeypatch):
+    mutant = mutate(loop_module, LOOP_BUGS[bug])
+    monkeypatch.setattr(backend_module, "speculative_stream", mutant.speculative_stream)
+    sampling = Sampling(temperature=0.9, seed=4, max_tokens=40)
+    kinds = set()
+    for method in ("draft", "ngram", "self"):
+        spec = backend_module.SpeculativeBackend(target, drafters[method]("exact"), 4)
+        for messages in PROMPTS:
+            _, _, verdict = check_prompt(spec, target, Request(messages=messages), sampling)
+            kinds.add(verdict.kind)
+    assert MISMATCH in kinds, f"{bug} went unnoticed"
+
+
+def test_the_unmutated_loop_passes_the_same_check(target, drafters):
+    sampling = Sampling(temperature=0.9, seed=4, max_tokens=40)
+    for method in ("draft", "ngram", "self"):
+        spec = backend_module.SpeculativeBackend(target, drafters[method]("exact"), 4)
+        for messages in PROMPTS:
+            assert check_prompt(spec, target, Request(messages=messages), sampling)[2].kind == "identical"
+
+
+@pytest.mark.parametrize("bug", sorted(DRAFTER_BUGS))
+def test_drafter_bugs_cannot_change_output_but_the_bookkeeping_check_sees_them(bug, target, tiny_pair):
+    mutant = mutate(drafters_module, DRAFTER_BUGS[bug])
+    sampling = Sampling(temperature=0.9, seed=4, max_tokens=40)
+    spec = backend_module.SpeculativeBackend(target, mutant.DraftModelDrafter(engine(tiny_pair[0])), 4)
+    _, out, verdict = check_prompt(spec, target, Request(messages=PROMPTS[0]), sampling)
+    assert verdict.kind == "identical"  # exact acceptance: a drafter only proposes
+    assert out.acceptance_rate < 1.0  # self-drafting must accept everything; this one does not
