@@ -30,7 +30,7 @@ class Item:
     draft_chars: int = 0  # for a speculative Step: characters of step.text that were accepted drafts
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     if isinstance(e, BackendError):
         return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}".rstrip(": ")
@@ -67,7 +67,7 @@ def pump(backend: Backend, request: Request, sampling: Sampling, cancel: threadi
         if summary is None:
             out.put(Item(tag, Failed("the backend ended its stream without a summary"), time.perf_counter()))
     except Exception as e:  # one line to the user, never a traceback
-        out.put(Item(tag, Failed(_one_line(e)), time.perf_counter()))
+        out.put(Item(tag, Failed(one_line(e)), time.perf_counter()))
     return summary
 
 

@@ -21,7 +21,7 @@ from specchat import loading, paths
 from specchat.compare import judge_text, judge_tokens, near_tie_margin
 from specchat.conversation import Conversation
 from specchat.history import History, HistoryError
-from specchat.live import Failed, Item, _one_line, pump
+from specchat.live import Failed, Item, one_line, pump
 from specchat.profiles import Profile, ProfileError, load_profiles
 from specchat.verify import fresh, margin_function, tie_margin_of, torch_engine_of
 
@@ -112,7 +112,7 @@ class Repl:
             self.say(f"error: {e}" + (f" (still on {self.profile.name})" if self.profile else ""))
             return False
         except Exception as e:
-            self.say(f"error: cannot load '{name}': {_one_line(e)}")
+            self.say(f"error: cannot load '{name}': {one_line(e)}")
             return False
         if self.backend is not None:
             self.backend.close()

@@ -22,7 +22,7 @@ from textual.widgets import Footer, Label, Sparkline, Static
 
 from backends.base import Backend, BackendError, Request, Summary
 from specchat.compare import IDENTICAL, Verdict, judge_text, judge_tokens, near_tie_margin
-from specchat.live import Failed, Item, LiveStats, _one_line, format_rate, positions_line, pump
+from specchat.live import Failed, Item, LiveStats, one_line, format_rate, positions_line, pump
 from specchat.loading import messages_for, sampling_of
 from specchat.profiles import Profile, ProfileError, load_profiles
 from specchat.verify import fresh, margin_function, tie_margin_of, torch_engine_of
@@ -158,7 +158,7 @@ class ABScreen(Screen):
             self.app.call_from_thread(self._ref_loaded, None, None, str(e))
             return
         except Exception as e:
-            self.app.call_from_thread(self._ref_loaded, None, None, _one_line(e))
+            self.app.call_from_thread(self._ref_loaded, None, None, one_line(e))
             return
         self.app.call_from_thread(self._ref_loaded, ref, backend, None)
 
@@ -314,7 +314,7 @@ class ABScreen(Screen):
                 offsets = (self._char_offset(self.ref_backend, self.panes["ref"], v),
                            self._char_offset(self.spec_backend, self.panes["spec"], v))
         except Exception as e:
-            self.app.call_from_thread(self._judged, rid, None, (None, None), _one_line(e))
+            self.app.call_from_thread(self._judged, rid, None, (None, None), one_line(e))
             return
         self.app.call_from_thread(self._judged, rid, v, offsets, None)
 

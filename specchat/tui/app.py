@@ -14,7 +14,7 @@ from backends.base import Backend, BackendError, Summary
 from specchat import loading
 from specchat.conversation import Conversation
 from specchat.history import History, HistoryError
-from specchat.live import _one_line
+from specchat.live import one_line
 from specchat.profiles import Profile, ProfileError, ProfileSet, load_profiles
 from specchat.tui.chat_screen import ChatScreen
 
@@ -124,7 +124,7 @@ class SpecChatApp(App):
         try:
             return load_profiles()
         except Exception as e:  # never let a profile problem take the app down
-            return ProfileSet({}, {"profiles": _one_line(e)})
+            return ProfileSet({}, {"profiles": one_line(e)})
 
     def action_pick_profile(self) -> None:
         from specchat.tui.widgets import ProfilePicker
@@ -159,7 +159,7 @@ class SpecChatApp(App):
         except (ProfileError, BackendError) as e:
             error = str(e)
         except Exception as e:
-            error = f"cannot load profile '{name}': {_one_line(e)}"
+            error = f"cannot load profile '{name}': {one_line(e)}"
         self.call_from_thread(self._loaded, name, profile, backend, error, then_ab)
 
     def _loaded(self, name: str, profile: Optional[Profile], backend: Optional[Backend],
