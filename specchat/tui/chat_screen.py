@@ -73,7 +73,6 @@ class ChatScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield VerticalScroll(id="conversation")
-        yield LoadingIndicator(id="loading")
         yield StatusBar(id="status")
         yield ChatInput(id="prompt")
         yield Footer()
@@ -106,9 +105,14 @@ class ChatScreen(Screen):
     # ------------------------------------------------------------------------ status
     def refresh_status(self) -> None:
         app = self.app
-        if not self.query("#loading"):
+        if not self.query(StatusBar):
             return  # not composed yet
-        self.query_one("#loading").display = app.loading is not None
+        # the spinner exists only while a model loads: hidden, it would still tick 16 times a second
+        spinner = self.query("#loading")
+        if app.loading and not spinner:
+            self.mount(LoadingIndicator(id="loading"), before=self.query_one(StatusBar))
+        elif not app.loading and spinner:
+            spinner.remove()
         parts: list = []
         if app.loading:
             parts.append(f"loading {app.loading}… ")

@@ -66,8 +66,8 @@ def test_tmux_chat_on_scripted_backend(tmp_path):
     try:
         t.wait_for("ngram d=4")
         t.keys("hello there", "Enter")
-        screen = t.wait_for("tok/pass")
-        assert "hello there" in screen and "checked" in screen and "print('ok')" in screen
+        screen = t.wait_for(" tok · TTFT")  # the closing note under the finished reply
+        assert "tok/pass" in screen and "hello there" in screen and "checked" in screen and "print('ok')" in screen
         t.keys("F3")
         t.wait_for("sequential: timings don't contend")
         t.keys("Escape")
