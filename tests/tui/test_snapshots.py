@@ -41,6 +41,7 @@ def test_chat_screen_snapshot(profiles_dir, snap_compare):
         msg.query_one(".reply-note").update(msg.note)
         chat.refresh_status()
         app.clear_notifications()
+        app.screen.set_focus(None)  # a blinking cursor would make the picture random
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=(100, 32), run_before=run_before)
@@ -62,6 +63,7 @@ def test_ab_screen_snapshot(profiles_dir, snap_compare):
             pane.render_stats()
         ab.show_verdict()
         app.clear_notifications()
+        app.screen.set_focus(None)  # a blinking cursor would make the picture random
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=(120, 30), run_before=run_before)
