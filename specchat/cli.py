@@ -29,8 +29,17 @@ def _profile(name: Optional[str]):
     return load_profiles().get(name or DEFAULT_PROFILE)
 
 
-def _sampling_overrides(args) -> dict:
-    return {k: getattr(args, k, None) for k in ("temperature", "top_p", "top_k", "seed", "max_tokens")}
+def _overridden(profile, args):
+    """The profile with this command's flags applied (sampling flags and --set KEY=VALUE)."""
+    import yaml
+
+    settings = {f"sampling.{k}": getattr(args, k, None) for k in ("temperature", "top_p", "top_k", "seed", "max_tokens")}
+    for item in getattr(args, "set", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--set {item!r}: expected KEY=VALUE, e.g. --set speculative.depth=3")
+        settings[key.strip()] = yaml.safe_load(value)
+    return profile.with_overrides(settings)
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -39,6 +48,8 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, help="override sampling.top_p")
     p.add_argument("--top-k", type=int, help="override sampling.top_k")
     p.add_argument("--seed", type=int, help="override sampling.seed")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override any profile field for this run, e.g. dtype=bfloat16 or speculative.depth=3")
 
 
 # ---------------------------------------------------------------------------------- run
@@ -49,7 +60,7 @@ def cmd_run(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise UsageError("empty prompt: pass it as an argument or on stdin")
-    profile = _profile(args.profile).with_overrides(**_sampling_overrides(args))
+    profile = _overridden(_profile(args.profile), args)
     backend = load_backend(profile)
     request = Request(messages=messages_for(profile, [{"role": "user", "content": prompt}], args.system))
     cancel = threading.Event()
@@ -128,9 +139,7 @@ def cmd_bench(args) -> int:
     from specchat import bench
     from specchat.prompts import load_prompts
 
-    profiles = [_profile(n).with_overrides(max_tokens=args.max_tokens, seed=args.seed,
-                                            temperature=args.temperature)
-                for n in (args.profile or [DEFAULT_PROFILE])]
+    profiles = [_overridden(_profile(n), args) for n in (args.profile or [DEFAULT_PROFILE])]
     prompts = load_prompts(args.prompts, args.limit, args.category) if args.prompts else _default_prompts()
     console = Console(stderr=True)
     extra = []
@@ -172,7 +181,7 @@ def cmd_verify(args) -> int:
     from specchat.prompts import load_prompts
     from specchat.verify import PromptCheck, check_prompt, summarize
 
-    spec_profile = _profile(args.profile).with_overrides(**_sampling_overrides(args))
+    spec_profile = _overridden(_profile(args.profile), args)
     if spec_profile.method == "none":
         raise UsageError(f"profile '{spec_profile.name}' has no speculative method; verify compares a "
                          "speculative profile with its target-only reference")
@@ -266,9 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="prompt file (Spec-Bench question.jsonl, jsonl or text)")
     p.add_argument("--limit", type=int, help="at most N prompts, spread over the subtasks")
     p.add_argument("--category", action="append", help="only these categories / subtasks")
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--temperature", type=float)
+    _add_sampling_flags(p)
     p.add_argument("--transformers", action="append", metavar="DTYPE", choices=["float32", "bfloat16"],
                    help="add a transformers `generate` reference row in this dtype (repeatable)")
     p.add_argument("--json", action="store_true")

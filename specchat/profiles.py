@@ -44,7 +44,9 @@ class SpeculativeConfig(_Strict):
     acceptance: Literal["exact", "rejection"] = "exact"
     ngram_max: int = Field(3, ge=1, le=16)
     ngram_min: int = Field(1, ge=1, le=16)
-    strict: bool = False  # verify with the same arithmetic as target-only decoding
+    # Verify with exactly the arithmetic of target-only decoding (row by row): true requires it,
+    # false turns it off, auto (unset) uses it where the kernels make it possible.
+    strict: Optional[bool] = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -107,14 +109,29 @@ class Profile(_Strict):
             "speculative": SpeculativeConfig(),
         })
 
-    def with_overrides(self, **sampling: Any) -> "Profile":
-        """Override sampling fields (None values are ignored), validated."""
-        data = self.sampling.model_dump()
-        data.update({k: v for k, v in sampling.items() if v is not None})
+    def with_overrides(self, settings: dict[str, Any] | None = None, **sampling: Any) -> "Profile":
+        """A copy with some fields changed, validated like a file: `settings` maps dotted keys
+        (`dtype`, `speculative.depth`, …) to values; keyword arguments are sampling fields.
+        None values are ignored."""
+        data = self.model_dump(exclude={"source"})
+        changes = {f"sampling.{k}": v for k, v in sampling.items()}
+        changes.update(settings or {})
+        for key, value in changes.items():
+            if value is None:
+                continue
+            *path, leaf = key.split(".")
+            node = data
+            for part in path:
+                if not isinstance(node.get(part), dict):
+                    raise ProfileError(f"profile '{self.name}': {key}: unknown key")
+                node = node[part]
+            if leaf not in node:
+                raise ProfileError(f"profile '{self.name}': {key}: unknown key")
+            node[leaf] = value
         try:
-            return self.model_copy(update={"sampling": SamplingConfig(**data)})
+            return Profile(**data, source=self.source)
         except ValidationError as e:
-            raise ProfileError(_one_line(e, f"profile '{self.name}'", ("sampling",))) from None
+            raise ProfileError(_one_line(e, f"profile '{self.name}'")) from None
 
 
 def _one_line(err: ValidationError, where: str, section: tuple[str, ...] = ()) -> str:

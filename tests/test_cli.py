@@ -5,14 +5,14 @@ import sys
 import pytest
 
 from specchat import cli
-from tests.tiny_gguf import write_tiny_gguf
+from tests.test_llamacpp import tiny_gguf
 
 
 @pytest.fixture
 def tiny_profile(isolated_dirs):
     folder = isolated_dirs / "user-profiles"
     folder.mkdir(parents=True, exist_ok=True)
-    write_tiny_gguf(folder / "tiny.gguf", quant="Q8_0")
+    tiny_gguf(folder)
     (folder / "tiny.yaml").write_text("backend: llamacpp\nmodel: ./tiny.gguf\ncontext: 256\nthreads: 2\n"
                                       "sampling: {max_tokens: 10}\n")
     return "tiny"

@@ -4,15 +4,23 @@ import pytest
 
 from backends.base import BackendError, Request, Sampling, Step, Summary, run_to_summary
 from backends.llamacpp import LlamaCppBackend
-from tests.tiny_gguf import write_tiny_gguf
+from tests.native.tiny import make_gguf, make_hf_checkpoint
 
 CHAT = [{"role": "user", "content": "Say something"}]
 
 
+def tiny_gguf(folder, qtype="Q8_0"):
+    return make_gguf(folder / "tiny.gguf", make_hf_checkpoint(folder / "hf", "llama"), qtype)
+
+
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", quant="Q8_0")
-    backend = LlamaCppBackend(path, context=128, threads=2)
+def tiny_path(tmp_path_factory):
+    return tiny_gguf(tmp_path_factory.mktemp("gguf"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    backend = LlamaCppBackend(tiny_path, context=128, threads=2)
     yield backend
     backend.close()
 
@@ -76,6 +84,17 @@ def test_context_full_and_prompt_too_long(tiny):
     assert s.stop_reason == "context_full" and s.tokens == 8
     with pytest.raises(BackendError, match=f"context holds {n_ctx}"):
         run_to_summary(tiny.stream(Request(prompt_ids=long_prompt + long_prompt), Sampling()))
+
+
+def test_greedy_matches_the_torch_engine_on_the_same_gguf(tiny, tiny_path):
+    from backends.native.engine import TorchBackend
+
+    engine = TorchBackend(tiny_path, "gguf", precision="float32", threads=2, context=128)
+    request = Request(messages=CHAT)
+    assert engine.tokenize_chat(CHAT) == tiny.tokenize_chat(CHAT)
+    ours = run_to_summary(engine.stream(request, Sampling(max_tokens=24)))
+    theirs = run_to_summary(tiny.stream(request, Sampling(max_tokens=24)))
+    assert ours.token_ids == theirs.token_ids
 
 
 def test_missing_file_is_a_clear_error(tmp_path):

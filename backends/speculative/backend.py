@@ -13,9 +13,16 @@ from backends.speculative.loop import Drafter, speculative_stream
 class SpeculativeBackend(Backend):
     name = "torch"
 
-    def __init__(self, target: TorchBackend, drafter: Drafter, depth: int, acceptance: str = "exact"):
+    def __init__(self, target: TorchBackend, drafter: Drafter, depth: int, acceptance: str = "exact",
+                 strict: bool | None = False):
+        if strict is None:  # auto
+            strict = target.rows_bitwise
+        if strict and not target.rows_bitwise:
+            raise BackendError(f"strict verification needs row-invariant kernels (int4 or bfloat16 on CPU), "
+                               f"but the target runs {target.precision} on {target.device.type}; "
+                               "set dtype: bfloat16 (or auto for a Q4 GGUF) or strict: false")
         self.target, self.drafter = target, drafter
-        self.depth, self.acceptance = depth, acceptance
+        self.depth, self.acceptance, self.strict = depth, acceptance, strict
 
     @classmethod
     def from_profile(cls, profile) -> "SpeculativeBackend":
@@ -26,7 +33,12 @@ class SpeculativeBackend(Backend):
         except BaseException:
             target.close()
             raise
-        return cls(target, drafter, spec.depth, spec.acceptance)
+        try:
+            return cls(target, drafter, spec.depth, spec.acceptance, spec.strict)
+        except BackendError:
+            drafter.close()
+            target.close()
+            raise
 
     @property
     def context_length(self) -> int:
@@ -44,7 +56,8 @@ class SpeculativeBackend(Backend):
         if not prompt:
             raise BackendError("the prompt is empty; send some text")
         self.check_fits(len(prompt))
-        return speculative_stream(self.target, self.drafter, prompt, sampling, self.depth, self.acceptance, cancel)
+        return speculative_stream(self.target, self.drafter, prompt, sampling, self.depth, self.acceptance, cancel,
+                                  self.strict)
 
     def close(self) -> None:
         self.drafter.close()

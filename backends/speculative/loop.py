@@ -71,8 +71,8 @@ class Target(Protocol):
     context_length: int
     cached: list[int]  # token ids whose keys/values are in the cache
 
-    def forward(self, tokens: Sequence[int], start_pos: int,
-                hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
+    def forward(self, tokens: Sequence[int], start_pos: int, hidden_layers: tuple[int, ...] = (),
+                all_logits: bool = True, exact_rows: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
 
     def truncate(self, length: int) -> None: ...
 
@@ -91,7 +91,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], sampling: Sampling, depth: int,
-                       acceptance: str = "exact", cancel: Optional[threading.Event] = None) -> Iterator[Event]:
+                       acceptance: str = "exact", cancel: Optional[threading.Event] = None,
+                       strict: bool = False) -> Iterator[Event]:
+    """`strict`: verify blocks with the arithmetic of single-token decoding, row by row
+    (the engine's `exact_rows`), so that not even a floating-point near-tie can flip a token."""
     stats = StreamStats(prompt_tokens=len(prompt))
     detok = IncrementalDetokenizer(target.detokenize)
     layers = drafter.hidden_layers
@@ -133,7 +136,7 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
         k = max(0, min(depth, sampling.max_tokens - produced - 1, room))
         draft = drafter.propose(tokens, k) if k else Draft([])
         d = draft.tokens[:k]
-        logits, hidden = target.forward([tokens[-1]] + d, n - 1, layers)
+        logits, hidden = target.forward([tokens[-1]] + d, n - 1, layers, exact_rows=strict)
         positions = list(range(n, n + len(d) + 1))
         if use_rejection and draft.q is not None and d:
             p = probs(logits, sampling)

@@ -54,3 +54,36 @@ def test_property_speculative_equals_target_only(target, drafters, method, depth
     ref, out, verdict = compare(target, drafters[method]("exact"), depth, sampling, prompt)
     assert verdict.kind == "identical", verdict.line()
     assert out.stop_reason == ref.stop_reason
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(tiny_pair):
+    from tests.speculative.conftest import engine
+
+    return engine(tiny_pair[0], "bfloat16"), engine(tiny_pair[1], "bfloat16")
+
+
+@pytest.mark.parametrize("depth", [1, 3, 6])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "t1.2-topk-topp"])
+def test_strict_verification_is_bitwise_target_only(bf16_pair, depth, sampling):
+    """bfloat16 verify blocks computed row by row reproduce single-token decoding exactly, so
+    the replies are identical with no tolerance at all."""
+    from backends.speculative.backend import SpeculativeBackend
+    from backends.speculative.drafters import DraftModelDrafter
+    from backends.base import Request, run_to_summary
+    from specchat.verify import fresh
+
+    target, draft = bf16_pair
+    spec = SpeculativeBackend(target, DraftModelDrafter(draft), depth, strict=True)
+    for messages in PROMPTS:
+        ref = run_to_summary(fresh(target).stream(Request(messages=messages), sampling))
+        out = run_to_summary(fresh(spec).stream(Request(messages=messages), sampling))
+        assert out.token_ids == ref.token_ids
+
+
+def test_strict_refuses_kernels_that_are_not_row_invariant(target, drafters):
+    from backends.base import BackendError
+    from backends.speculative.backend import SpeculativeBackend
+
+    with pytest.raises(BackendError, match="strict verification needs row-invariant kernels"):
+        SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=True)  # float32 target
