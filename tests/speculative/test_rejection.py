@@ -4,7 +4,6 @@ end on a tiny model."""
 from collections import Counter
 
 import pytest
-
 import torch
 
 from backends.base import Request, Sampling, run_to_summary
