@@ -341,13 +341,7 @@ class ABScreen(Screen):
             return judge_text(ref.text, spec.text)
         spec_req, ref_req, sampling = self.requests
         backend = self.ref_backend
-        margin_at = None
-        own = getattr(backend, "next_token_margin", None)
-        if callable(own):
-            def margin_at(i, a, b):
-                return own(ref_req, ref.token_ids[:i], a, b)
-        else:
-            margin_at = margin_function(backend, backend.prompt_ids(ref_req), ref.token_ids, sampling)
+        margin_at = margin_function(backend, backend.prompt_ids(ref_req), ref.token_ids, sampling)
         tie = tie_margin_of(backend) if torch_engine_of(backend) is not None else near_tie_margin(self.ref_profile.dtype)
         return judge_tokens(ref.token_ids, spec.token_ids, backend.detokenize, margin_at, tie)
 

@@ -1,7 +1,7 @@
 """Widgets shared by the chat and A/B screens."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+
 from typing import Optional
 
 from textual import events, on

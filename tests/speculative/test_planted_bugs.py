@@ -10,7 +10,7 @@ import pytest
 
 import backends.speculative.drafters as drafters_module
 import backends.speculative.loop as loop_module
-from backends.base import Request, Sampling, run_to_summary
+from backends.base import Request, Sampling
 from backends.speculative import backend as backend_module
 from specchat.compare import MISMATCH
 from specchat.verify import check_prompt

@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 
 from backends.base import BackendError
-from tests.scripted import ScriptedBackend
 
 PROFILES = {
     "spec": "backend: torch\nmodel: smollm2-135m-instruct\nspeculative:\n  method: ngram\n  depth: 4\n",

@@ -1,5 +1,4 @@
 """Reopening and exporting conversations from the TUI; a broken history never stops the chat."""
-from pathlib import Path
 
 import pytest
 
