@@ -12,7 +12,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Sequence, Union
+from typing import Callable, Iterator, Sequence, Union
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -199,6 +199,42 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release model memory."""
+
+
+def decode_stream(tokens: Iterator[int], *, prompt_tokens: int, sampling: Sampling, context_length: int,
+                  is_eos: Callable[[int], bool], detokenize: Callable[[Sequence[int]], str],
+                  cancel: threading.Event | None = None) -> Iterator[Event]:
+    """Target-only streaming around a lazy iterator of sampled tokens (one model pass each),
+    with the stop rules every backend shares: end of sequence, max tokens, a full context,
+    cancellation. The iterator is only advanced when another token is wanted."""
+    from backends.detok import IncrementalDetokenizer
+
+    stats = StreamStats(prompt_tokens=prompt_tokens)
+    detok = IncrementalDetokenizer(detokenize)
+    reason, generated = STOP_MAX_TOKENS, 0
+    try:
+        if cancel is not None and cancel.is_set():
+            reason = STOP_CANCELLED
+        else:
+            for token in tokens:
+                if is_eos(token):
+                    reason = STOP_EOS
+                    break
+                generated += 1
+                yield stats.add(Step([token], detok.add([token])))
+                if generated >= sampling.max_tokens:
+                    break
+                if prompt_tokens + generated >= context_length:
+                    reason = STOP_CONTEXT_FULL
+                    break
+                if cancel is not None and cancel.is_set():
+                    reason = STOP_CANCELLED
+                    break
+    finally:
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()
+    yield stats.finish(reason, detok.flush())
 
 
 def run_to_summary(events: Iterator[Event]) -> Summary:

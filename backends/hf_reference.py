@@ -13,9 +13,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from backends.base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendError,
-                           Event, Request, Sampling, Step, StreamStats)
-from backends.detok import IncrementalDetokenizer
+from backends.base import Backend, BackendError, Event, Request, Sampling, decode_stream
 from backends.native import sampling as sampler
 from backends.native.tokenizer import ChatTokenizer
 
@@ -75,31 +73,20 @@ class TransformersBackend(Backend):
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
-    @torch.inference_mode()
     def stream(self, request: Request, sampling: Sampling,
                cancel: threading.Event | None = None) -> Iterator[Event]:
         prompt = self.prompt_ids(request)
         self.check_fits(len(prompt))
-        stats = StreamStats(prompt_tokens=len(prompt))
-        detok = IncrementalDetokenizer(self.detokenize)
-        out = self.model(torch.tensor([prompt]), use_cache=True)
-        pos, generated = len(prompt), 0
-        while True:
-            token = int(sampler.sample(out.logits[0, -1:].float(), [pos], sampling)[0])
-            if token in self.eos_ids:
-                reason = STOP_EOS
-                break
-            generated += 1
-            yield stats.add(Step([token], detok.add([token])))
-            if generated >= sampling.max_tokens:
-                reason = STOP_MAX_TOKENS
-                break
-            if pos + 1 >= self._context:
-                reason = STOP_CONTEXT_FULL
-                break
-            if cancel is not None and cancel.is_set():
-                reason = STOP_CANCELLED
-                break
-            out = self.model(torch.tensor([[token]]), **_cache_kwargs(out), use_cache=True)
-            pos += 1
-        yield stats.finish(reason, tail_text=detok.flush())
+
+        @torch.inference_mode()
+        def tokens() -> Iterator[int]:
+            out = self.model(torch.tensor([prompt]), use_cache=True)
+            pos = len(prompt)
+            while True:
+                token = int(sampler.sample(out.logits[0, -1:].float(), [pos], sampling)[0])
+                yield token
+                out = self.model(torch.tensor([[token]]), **_cache_kwargs(out), use_cache=True)
+                pos += 1
+
+        return decode_stream(tokens(), prompt_tokens=len(prompt), sampling=sampling, context_length=self._context,
+                             is_eos=self.eos_ids.__contains__, detokenize=self.detokenize, cancel=cancel)

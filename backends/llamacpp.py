@@ -7,9 +7,7 @@ import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from backends.base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendError,
-                           Event, Request, Sampling, Step, StreamStats)
-from backends.detok import IncrementalDetokenizer
+from backends.base import Backend, BackendError, Event, Request, Sampling, decode_stream
 
 
 def default_threads() -> int:
@@ -151,36 +149,13 @@ class LlamaCppBackend(Backend):
                cancel: threading.Event | None = None) -> Iterator[Event]:
         prompt = self.prompt_ids(request)
         self.check_fits(len(prompt))
-        stats = StreamStats(prompt_tokens=len(prompt))
-        detok = IncrementalDetokenizer(self.detokenize)
         self.llm.set_seed(sampling.seed)
         temp = sampling.temperature
-        gen = self.llm.generate(prompt, temp=temp, top_k=sampling.top_k if temp > 0 else 1,
-                                top_p=sampling.top_p, min_p=0.0, repeat_penalty=1.0)
-        reason = STOP_MAX_TOKENS
-        produced = 0
-        try:
-            for token in gen:
-                if cancel is not None and cancel.is_set():
-                    reason = STOP_CANCELLED
-                    break
-                if self._is_eog(token):
-                    reason = STOP_EOS
-                    break
-                produced += 1
-                yield stats.add(Step([token], detok.add([token])))
-                if produced >= sampling.max_tokens:
-                    reason = STOP_MAX_TOKENS
-                    break
-                if len(prompt) + produced >= self.context_length:
-                    reason = STOP_CONTEXT_FULL
-                    break
-                if cancel is not None and cancel.is_set():
-                    reason = STOP_CANCELLED
-                    break
-        finally:
-            gen.close()
-        yield stats.finish(reason, detok.flush())
+        tokens = self.llm.generate(prompt, temp=temp, top_k=sampling.top_k if temp > 0 else 1,
+                                   top_p=sampling.top_p, min_p=0.0, repeat_penalty=1.0)
+        return decode_stream(tokens, prompt_tokens=len(prompt), sampling=sampling,
+                             context_length=self.context_length, is_eos=self._is_eog, detokenize=self.detokenize,
+                             cancel=cancel)
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

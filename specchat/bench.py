@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import gc
 import statistics
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional
 
 from backends.base import Backend, Request, Summary, run_to_summary
@@ -85,47 +86,61 @@ def plan(profiles: list[Profile]) -> list[tuple[str, Profile, Optional[str]]]:
     return rows
 
 
-def run_profile(backend: Backend, profile: Profile, prompts: Iterable[PromptItem],
-                max_tokens: Optional[int], on_run: Callable[[Run], None] = lambda r: None,
-                warmup: bool = True) -> list[Run]:
-    sampling = sampling_of(profile)
-    if max_tokens:
-        sampling = type(sampling)(**{**sampling.__dict__, "max_tokens": max_tokens})
-    prompts = list(prompts)
-    if warmup and prompts:
-        warm = type(sampling)(**{**sampling.__dict__, "max_tokens": 8})
-        run_to_summary(backend.stream(Request(messages=messages_for(profile, [{"role": "user", "content": "Hi"}])), warm))
-    runs = []
-    for item in prompts:
-        msgs = messages_for(profile, [{"role": "user", "content": item.first}])
-        run = Run(item, run_to_summary(backend.stream(Request(messages=msgs), sampling)))
-        on_run(run)
-        runs.append(run)
-    return runs
+def warm_up(backend: Backend, profile: Profile) -> None:
+    sampling = replace(sampling_of(profile), max_tokens=8)
+    run_to_summary(backend.stream(Request(messages=messages_for(profile, [{"role": "user", "content": "Hi"}])), sampling))
 
 
-def bench(profiles: list[Profile], prompts: list[PromptItem], max_tokens: Optional[int] = None,
+def run_one(backend: Backend, profile: Profile, item: PromptItem) -> Run:
+    msgs = messages_for(profile, [{"role": "user", "content": item.first}])
+    return Run(item, run_to_summary(backend.stream(Request(messages=msgs), sampling_of(profile))))
+
+
+def bench(profiles: list[Profile], prompts: list[PromptItem],
           on_run: Callable[[str, Run], None] = lambda label, r: None,
           on_load: Callable[[str], None] = lambda label: None,
-          extra_rows: Iterable[tuple[str, Callable[[], Backend], Profile]] = ()) -> list[ProfileResult]:
-    """Run the rows one after another (never concurrently: they would contend for the cores)."""
-    import time
+          extra_rows: Iterable[tuple[str, Callable[[], Backend], Profile]] = (),
+          interleave: bool = True) -> list[ProfileResult]:
+    """Measure every row on every prompt, never two at once (they would contend for the cores).
 
-    results: list[ProfileResult] = []
+    Interleaved (the default), all rows are loaded and take turns prompt by prompt, so that a
+    slow spell of a shared machine hits every row alike and the ratios stay fair. Sequential
+    loads one row at a time, for models too large to hold together."""
     rows = [(label, (lambda p=p: load_backend(p)), p, ref) for label, p, ref in plan(profiles)]
     rows += [(label, factory, p, None) for label, factory, p in extra_rows]
-    for label, factory, profile, ref in rows:
-        on_load(label)
+    results = [ProfileResult(label, profile, reference=ref) for label, _, profile, ref in rows]
+    factories = [factory for _, factory, _, _ in rows]
+
+    def load(res: ProfileResult, factory) -> Backend:
+        on_load(res.label)
         t0 = time.perf_counter()
         backend = factory()
-        res = ProfileResult(label, profile, reference=ref, load_s=time.perf_counter() - t0)
-        try:
-            res.runs = run_profile(backend, profile, prompts, max_tokens, lambda r: on_run(label, r))
-        finally:
+        res.load_s = time.perf_counter() - t0
+        warm_up(backend, res.profile)
+        return backend
+
+    def measure(res: ProfileResult, backend: Backend, item: PromptItem) -> None:
+        run = run_one(backend, res.profile, item)
+        res.runs.append(run)
+        on_run(res.label, run)
+
+    loaded: list[Backend] = []
+    try:
+        if interleave:
+            loaded = [load(res, factory) for res, factory in zip(results, factories)]
+            for item in prompts:
+                for res, backend in zip(results, loaded):
+                    measure(res, backend, item)
+        else:
+            for res, factory in zip(results, factories):
+                loaded = [load(res, factory)]
+                for item in prompts:
+                    measure(res, loaded[0], item)
+                loaded.pop().close()
+                gc.collect()
+    finally:
+        for backend in loaded:
             backend.close()
-            del backend
-            gc.collect()
-        results.append(res)
     return results
 
 

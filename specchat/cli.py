@@ -151,7 +151,7 @@ def cmd_bench(args) -> int:
             ref = base.model_copy(update={"name": f"transformers-{dtype}", "dtype": dtype})
             extra.append((ref.name, lambda ref=ref: TransformersBackend.from_profile(ref), ref))
     results = bench.bench(
-        profiles, prompts, args.max_tokens,
+        profiles, prompts, interleave=not args.sequential,
         on_load=lambda label: console.print(f"[bold]{label}[/bold]: loading…"),
         on_run=lambda label, r: console.print(
             f"  {label} · {r.prompt.id} [{r.prompt.task}] {r.summary.tokens} tok "
@@ -276,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="at most N prompts, spread over the subtasks")
     p.add_argument("--category", action="append", help="only these categories / subtasks")
     _add_sampling_flags(p)
+    p.add_argument("--sequential", action="store_true",
+                   help="load and measure one profile at a time (default: all loaded, taking turns per prompt)")
     p.add_argument("--transformers", action="append", metavar="DTYPE", choices=["float32", "bfloat16"],
                    help="add a transformers `generate` reference row in this dtype (repeatable)")
     p.add_argument("--json", action="store_true")

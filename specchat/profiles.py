@@ -65,7 +65,7 @@ class Profile(_Strict):
     extends: Optional[str] = None
     backend: Literal["torch", "llamacpp"] = "torch"
     model: str
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "int4"] = "auto"  # int4: Q4 GGUF weights, CPU
     device: str = "auto"
     threads: int = Field(0, ge=0)  # 0: all physical cores
     context: int = Field(2048, ge=16)

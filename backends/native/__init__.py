@@ -8,6 +8,10 @@
     engine.py       TorchBackend: the streaming Backend plus the API a speculative loop uses
 
 The speculative loop drives a `TorchBackend` through: forward(tokens, start_pos, hidden_layers,
-all_logits, exact_rows), cache_len, truncate(n), sample(logits, positions, sampling), prefill(ids),
-eos_ids, model, tokenizer, rows_bitwise.
+all_logits, exact_rows), cache_len, cached, truncate(n), sample(logits, positions, sampling),
+probs(logits, sampling), prefill(ids), prefill_with_hidden(ids, hidden_layers), eos_ids,
+context_length, rows_bitwise, model (embed, head, cfg), tokenizer.
+
+Position convention: logits row i of forward(tokens, start) predicts the token at absolute
+position start + i + 1, and sample() keys its noise by that position.
 """

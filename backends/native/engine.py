@@ -17,9 +17,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from backends.base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendError,
-                           Event, Request, Sampling, Step, StreamStats)
-from backends.detok import IncrementalDetokenizer
+from backends.base import Backend, BackendError, Event, Request, Sampling, decode_stream
 from backends.native import sampling as sampler
 from backends.native.model import Transformer
 from backends.native.tokenizer import ChatTokenizer
@@ -190,33 +188,18 @@ class TorchBackend(Backend):
         if not prompt:
             raise BackendError("the prompt is empty; send some text")
         self.check_fits(len(prompt))
-        stats = StreamStats(prompt_tokens=len(prompt))
-        detok = IncrementalDetokenizer(self.detokenize)
-        if cancel is not None and cancel.is_set():
-            yield stats.finish(STOP_CANCELLED)
-            return
-        logits = self.prefill(prompt)
-        pos = len(prompt)  # position of the token being chosen
-        generated = 0
-        while True:
-            token = int(self.sample(logits, [pos], sampling)[0])
-            if token in self.eos_ids:
-                reason = STOP_EOS
-                break
-            generated += 1
-            yield stats.add(Step([token], detok.add([token])))
-            if generated >= sampling.max_tokens:
-                reason = STOP_MAX_TOKENS
-                break
-            if pos + 1 >= self._context:
-                reason = STOP_CONTEXT_FULL
-                break
-            if cancel is not None and cancel.is_set():
-                reason = STOP_CANCELLED
-                break
-            logits, _ = self.forward([token], pos, all_logits=False)
-            pos += 1
-        yield stats.finish(reason, tail_text=detok.flush())
+
+        def tokens() -> Iterator[int]:
+            logits = self.prefill(prompt)
+            pos = len(prompt)  # position of the token being chosen
+            while True:
+                token = int(self.sample(logits, [pos], sampling)[0])
+                yield token
+                logits, _ = self.forward([token], pos, all_logits=False)
+                pos += 1
+
+        return decode_stream(tokens(), prompt_tokens=len(prompt), sampling=sampling, context_length=self._context,
+                             is_eos=self.eos_ids.__contains__, detokenize=self.detokenize, cancel=cancel)
 
     def close(self) -> None:
         self.model = None

@@ -96,19 +96,33 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
 class Linear(nn.Module):
     """y = x W^T (+ b) with W dense in the compute dtype, or group-wise int4 (bf16 activations)."""
 
-    def __init__(self, weight: Tensor | None, bias: Tensor | None = None, int4: tuple | None = None):
+    def __init__(self, weight: Tensor | None, bias: Tensor | None = None, int4: tuple | None = None,
+                 row_stable: bool = False):
         super().__init__()
         self.weight = weight  # [out, in] dense, or None when int4
         self.bias = bias
         self.int4 = int4  # (packed, scales_and_zeros, group_size)
+        self.row_stable = row_stable
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.row_stable:
+            return self._pairs(x)
         if self.int4 is not None:
             packed, sz, group = self.int4
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
         else:
             y = F.linear(x, self.weight)
         return y if self.bias is None else y + self.bias
+
+    def _pairs(self, x: Tensor) -> Tensor:
+        """Float32 on CPU, bit-stable per row: MKL's one-row GEMV and its GEMM round differently,
+        and GEMM's blocking depends on the number of rows, so every call is made as GEMMs of
+        exactly two rows (padding an odd row). Each row then gets the same bits however many rows
+        come, at about the cost of a GEMV for one row (tested: test_exact_rows_*)."""
+        K = x.shape[0]
+        if K % 2:
+            x = torch.cat([x, x[-1:]])
+        return torch.cat([F.linear(pair, self.weight) for pair in x.split(2)])[:K]
 
 
 class KVCache:
@@ -179,6 +193,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, b) for b in blocks)
         self.norm = norm
         self.head = head
+        self.head_dtype = torch.float32 if head.row_stable else dtype
         self.device = embed.device
         self.static = False  # see use_static_shapes
         self._run_blocks = self._blocks
@@ -245,7 +260,7 @@ class Transformer(nn.Module):
             x = x if all_logits else x[-1:]
         else:
             x = F.rms_norm(x if all_logits else x[-1:], (self.cfg.dim,), self.norm, self.cfg.norm_eps)
-        return self.head(x.to(self.dtype)).float(), hidden
+        return self.head(x.to(self.head_dtype)).float(), hidden
 
     def _blocks(self, x: Tensor, write: slice | Tensor, span: int, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 hidden_layers: tuple[int, ...], exact_rows: bool = False) -> tuple[Tensor, dict[int, Tensor]]:

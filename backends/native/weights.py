@@ -189,5 +189,12 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
             b["q_norm"], b["k_norm"] = layer["q_norm"].float().to(device), layer["k_norm"].float().to(device)
         blocks.append(b)
     embed = ck.embed.float().to(device)
-    head = _linear([ck.head if ck.head is not None else embed], [None], dtype, int4, device)
+    head_weight = ck.head if ck.head is not None else embed
+    if device.type == "cpu" and dtype != torch.float32:
+        # Logits stay float32 on CPU: bfloat16 logits (resolution 0.125 at 25) turn near-ties
+        # into exact ties. A tied head shares the float32 embedding, so this costs no memory.
+        dense = head_weight.dequantize() if isinstance(head_weight, Int4Rows) else head_weight.float()
+        head = Linear(dense.to(device).contiguous(), row_stable=True)
+    else:
+        head = _linear([head_weight], [None], dtype, int4, device)
     return Transformer(ck.cfg, embed, blocks, ck.norm.float().to(device), head, dtype, max_len)

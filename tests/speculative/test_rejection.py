@@ -3,6 +3,7 @@ target's p, whatever the drafter's q. Checked statistically on exact distributio
 end on a tiny model."""
 from collections import Counter
 
+import pytest
 import torch
 
 from backends.base import Request, Sampling, run_to_summary
@@ -54,6 +55,7 @@ def test_a_broken_rule_is_caught():
     assert total_variation(draw(p, q, n, residual_not_renormalised), p[0], n) > 0.1
 
 
+@pytest.mark.timeout(600)
 def test_end_to_end_drafted_token_follows_the_target(target, tiny_pair, tmp_path):
     """The second token of each reply comes from the rejection rule (depth 1). Its frequency must
     match the target's exact distribution given the first token, averaged over the runs. The

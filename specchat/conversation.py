@@ -1,0 +1,111 @@
+"""The conversation a front end is holding, saved to history as each message completes."""
+from __future__ import annotations
+
+import re
+import sqlite3
+from typing import Callable, Optional
+
+from specchat.history import History, HistoryError
+
+_FENCE = re.compile(r"^```[^\n]*\n(.*?)(?:^```|\Z)", re.DOTALL | re.MULTILINE)
+
+
+def last_code_block(text: str) -> Optional[str]:
+    blocks = _FENCE.findall(text)
+    return blocks[-1].rstrip("\n") if blocks else None
+
+
+class Conversation:
+    """Messages (user/assistant) plus the system prompt; history writes never raise.
+
+    A failing history database turns saving off with one message through `on_error`; the
+    conversation in memory carries on."""
+
+    def __init__(self, history: Optional[History], profile: str = "",
+                 on_error: Callable[[str], None] = lambda msg: None):
+        self.history = history
+        self.profile = profile
+        self.on_error = on_error
+        self.messages: list[dict] = []
+        self.system: Optional[str] = None
+        self.id: Optional[int] = None
+        self.version = 0  # bumped on every change, so views know when to redraw
+
+    def _save(self, fn: Callable[[], object]) -> None:
+        if self.history is None:
+            return
+        try:
+            fn()
+        except (sqlite3.Error, HistoryError) as e:
+            self.history = None
+            self.on_error(f"history is off for this session: {e}")
+
+    def _ensure_row(self) -> None:
+        if self.id is None and self.history is not None:
+            def create():
+                self.id = self.history.new_conversation(self.profile, self.system)
+            self._save(create)
+
+    def add(self, role: str, content: str, profile: Optional[str] = None, stats: Optional[dict] = None) -> None:
+        self.messages.append({"role": role, "content": content})
+        self.version += 1
+        self._ensure_row()
+        if self.id is not None:
+            self._save(lambda: self.history.add_message(self.id, role, content, profile or self.profile, stats))
+
+    def pop_assistant(self) -> Optional[str]:
+        """Drop the last reply (to regenerate or replace it)."""
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            return None
+        msg = self.messages.pop()
+        self.version += 1
+        if self.id is not None:
+            self._save(lambda: self.history.delete_last_assistant(self.id))
+        return msg["content"]
+
+    def set_system(self, system: Optional[str]) -> None:
+        self.system = system or None
+        self.version += 1
+        if self.id is not None:
+            self._save(lambda: self.history.set_system(self.id, self.system))
+
+    def set_profile(self, profile: str) -> None:
+        self.profile = profile
+        if self.id is not None:
+            self._save(lambda: self.history.set_profile(self.id, profile))
+
+    def reset(self) -> None:
+        self.messages = []
+        self.id = None
+        self.version += 1
+
+    def open(self, conversation_id: int) -> None:
+        if self.history is None:
+            raise HistoryError("history is off for this session")
+        conv = self.history.load(conversation_id)
+        self.messages = conv.as_history()
+        self.system = conv.system
+        self.id = conv.id
+        self.version += 1
+
+    @property
+    def last_reply(self) -> Optional[str]:
+        for m in reversed(self.messages):
+            if m["role"] == "assistant":
+                return m["content"]
+        return None
+
+    @property
+    def last_user(self) -> Optional[str]:
+        for m in reversed(self.messages):
+            if m["role"] == "user":
+                return m["content"]
+        return None
+
+    def last_code(self) -> Optional[str]:
+        for m in reversed(self.messages):
+            if m["role"] == "assistant":
+                code = last_code_block(m["content"])
+                if code is not None:
+                    return code
+        return None

@@ -1,0 +1,154 @@
+"""Between a backend's stream and a front end: a feeder thread and live statistics.
+
+The feeder runs `Backend.stream` in its own thread and puts every event on a `queue.Queue`
+stamped with the time it arrived; the front end drains the queue at its own pace (the TUI on
+a ~30 Hz timer), so rendering never holds the engine back. Nothing here imports Textual.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from backends.base import Backend, BackendError, Request, Sampling, Step, Summary
+
+
+@dataclass
+class Failed:
+    """The stream raised: one line for the user."""
+
+    message: str
+
+
+@dataclass
+class Item:
+    tag: Any  # which stream (e.g. "spec" / "ref" in the A/B view)
+    event: Step | Summary | Failed
+    at: float  # perf_counter when the worker received it
+    draft_chars: int = 0  # for a speculative Step: characters of step.text that were accepted drafts
+
+
+def one_line(e: BaseException) -> str:
+    if isinstance(e, BackendError):
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}".rstrip(": ")
+
+
+def draft_chars_of(backend: Backend, step: Step) -> int:
+    """How many characters at the start of `step.text` the confirmed drafts account for."""
+    if not step.accepted or not step.text:
+        return 0
+    try:
+        return min(len(step.text), len(backend.detokenize(step.token_ids[:step.accepted])))
+    except Exception:
+        return 0
+
+
+def pump(backend: Backend, request: Request, sampling: Sampling, cancel: threading.Event,
+         out: "queue.Queue[Item]", tag: Any = None) -> Optional[Summary]:
+    """Run one stream to its end on the calling thread, putting every event on `out`.
+
+    Always ends with exactly one Summary or Failed item for `tag`."""
+    summary = None
+    try:
+        gen = backend.stream(request, sampling, cancel)
+        try:
+            for ev in gen:
+                now = time.perf_counter()
+                if isinstance(ev, Summary):
+                    summary = ev
+                    out.put(Item(tag, ev, now))
+                else:
+                    out.put(Item(tag, ev, now, draft_chars_of(backend, ev)))
+        finally:
+            gen.close()
+        if summary is None:
+            out.put(Item(tag, Failed("the backend ended its stream without a summary"), time.perf_counter()))
+    except Exception as e:  # one line to the user, never a traceback
+        out.put(Item(tag, Failed(one_line(e)), time.perf_counter()))
+    return summary
+
+
+def start_thread(target: Callable[[], Any], name: str) -> threading.Thread:
+    t = threading.Thread(target=target, name=name, daemon=True)
+    t.start()
+    return t
+
+
+@dataclass
+class LiveStats:
+    """Figures for one reply as its steps arrive (times are the worker's arrival stamps)."""
+
+    started: float = field(default_factory=time.perf_counter)
+    first_at: Optional[float] = None
+    last_at: Optional[float] = None
+    tokens: int = 0
+    passes: int = 0
+    per_pass: list[int] = field(default_factory=list)  # tokens each target pass produced
+    drafts_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    speculative_passes: int = 0
+    summary: Optional[Summary] = None
+
+    def add(self, step: Step, at: float) -> None:
+        if step.token_ids and self.first_at is None:
+            self.first_at = at
+        self.last_at = at
+        self.tokens += len(step.token_ids)
+        self.passes += 1
+        self.per_pass.append(len(step.token_ids))
+        if step.drafted:
+            self.speculative_passes += 1
+            while len(self.drafts_per_position) < step.drafted:
+                self.drafts_per_position.append(0)
+                self.accepted_per_position.append(0)
+            for i in range(step.drafted):
+                self.drafts_per_position[i] += 1
+            for i in range(step.accepted):
+                self.accepted_per_position[i] += 1
+
+    def finish(self, summary: Summary) -> None:
+        self.summary = summary
+
+    @property
+    def ttft_s(self) -> Optional[float]:
+        if self.summary is not None:
+            return self.summary.ttft_s
+        return self.first_at - self.started if self.first_at is not None else None
+
+    @property
+    def tok_s(self) -> float:
+        if self.summary is not None:
+            return self.summary.decode_tok_s
+        if self.first_at is None or self.last_at is None or self.tokens < 2 or self.last_at <= self.first_at:
+            return 0.0
+        return (self.tokens - 1) / (self.last_at - self.first_at)
+
+    @property
+    def current_per_pass(self) -> int:
+        return self.per_pass[-1] if self.per_pass else 0
+
+    @property
+    def mean_per_pass(self) -> float:
+        """Tokens per target pass (accepted drafts + the target's own token)."""
+        if self.summary is not None and self.summary.passes:
+            return self.summary.tokens / self.summary.passes
+        return self.tokens / self.passes if self.passes else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafts_per_position)]
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_passes > 0
+
+
+def format_rate(x: Optional[float]) -> str:
+    return "–" if not x else f"{x:.1f}"
+
+
+def positions_line(rates: Sequence[float], limit: int = 8) -> str:
+    return " ".join(f"{r:.0%}" for r in rates[:limit]) + (" …" if len(rates) > limit else "")

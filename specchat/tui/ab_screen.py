@@ -1,0 +1,406 @@
+"""A/B split view: the same conversation, speculative on the left, reference on the right.
+
+By default the two run one after the other so their timings don't contend for the machine
+(both panes still stream, in turn); Ctrl+G switches to a race where they run at once. Replies
+are aligned by token ids and judged with `specchat.compare`, the module behind `specchat verify`.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Optional
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.content import Content
+from textual.screen import Screen
+from textual.widgets import Footer, Label, Sparkline, Static
+
+from backends.base import Backend, BackendError, Request, Summary
+from specchat.compare import IDENTICAL, Verdict, judge_text, judge_tokens, near_tie_margin
+from specchat.live import Failed, Item, LiveStats, one_line, format_rate, positions_line, pump
+from specchat.loading import messages_for, sampling_of
+from specchat.profiles import Profile, ProfileError, load_profiles
+from specchat.verify import fresh, margin_function, tie_margin_of, torch_engine_of
+from specchat.tui.budget import RenderBudget
+from specchat.tui.widgets import ChatInput, TokenText
+
+if TYPE_CHECKING:
+    from specchat.tui.app import SpecChatApp
+
+FRAME_S = 1 / 30
+SEQUENTIAL_NOTE = "sequential: timings don't contend (Ctrl+G: race)"
+RACE_NOTE = "race: both run at once, timings contend (Ctrl+G: sequential)"
+
+
+class ABPane(Vertical):
+    def __init__(self, side: str, title: str):
+        super().__init__(id=f"pane-{side}", classes="ab-pane")
+        self.side = side
+        self.title_text = title
+        self.tokens = TokenText()
+        self.live: Optional[LiveStats] = None
+        self.summary: Optional[Summary] = None
+        self.failed: Optional[str] = None
+        self.diverge_at: Optional[int] = None
+        self.state = "idle"
+
+    def compose(self) -> ComposeResult:
+        yield Label(self.title_text, classes="ab-title", markup=False)
+        with VerticalScroll(classes="ab-body"):
+            yield Static("", classes="ab-text", markup=False)
+        yield Static("", classes="ab-stats", markup=False)
+        if self.side == "spec":
+            yield Sparkline([], classes="ab-spark")
+
+    def reset(self, state: str) -> None:
+        self.tokens = TokenText()
+        self.live = LiveStats()
+        self.summary = self.failed = self.diverge_at = None
+        self.state = state
+        self.render_text()
+        self.render_stats()
+
+    def render_text(self) -> None:
+        body = self.query_one(".ab-body", VerticalScroll)
+        follow = body.max_scroll_y - body.scroll_y <= 2
+        self.query_one(".ab-text", Static).update(
+            self.tokens.content(origin=self.side == "spec", diverge_at=self.diverge_at))
+        if follow:
+            body.scroll_end(animate=False)
+
+    def render_stats(self) -> None:
+        live = self.live
+        if self.failed:
+            self.query_one(".ab-stats", Static).update(Content.assemble(("failed: ", "bold red"), self.failed))
+            return
+        if live is None:
+            self.query_one(".ab-stats", Static).update(self.state)
+            return
+        ttft = live.ttft_s
+        passes = self.summary.passes if self.summary else live.passes
+        parts = [f"{self.state} │ TTFT {ttft:.2f}s" if ttft is not None else f"{self.state} │ TTFT –",
+                 f" │ {format_rate(live.tok_s)} tok/s │ {passes} passes"]
+        if self.side == "spec":
+            parts.append(f" │ {live.mean_per_pass:.2f} tok/pass (now {live.current_per_pass})")
+            if live.acceptance_by_position:
+                parts.append(f" │ by pos {positions_line(live.acceptance_by_position, 5)}")
+        self.query_one(".ab-stats", Static).update(Content.assemble(*parts))
+        if self.side == "spec":
+            self.query_one(".ab-spark", Sparkline).data = live.per_pass[-60:]
+
+
+class ABScreen(Screen):
+    app: "SpecChatApp"
+
+    BINDINGS = [
+        Binding("escape", "stop_or_close", "Stop / back", priority=True),
+        Binding("ctrl+g", "toggle_race", "Race"),
+        Binding("ctrl+l", "use_other", "Use other reply"),
+    ]
+
+    def __init__(self, reference: Optional[str] = None):
+        super().__init__(id="ab")
+        self.reference_name = reference
+        self.events: "queue.Queue[Item]" = queue.Queue()
+        self.race = False
+        self.running = False
+        self.run_id = 0
+        self.cancel: Optional[threading.Event] = None
+        self.spec_profile: Profile = None  # type: ignore[assignment]
+        self.ref_profile: Optional[Profile] = None
+        self.spec_backend: Optional[Backend] = None
+        self.ref_backend: Optional[Backend] = None
+        self.verdict: Optional[Verdict] = None
+        self.using = "reference"
+        self.can_choose = False
+        self.budget = RenderBudget()
+        self.pending_prompt: Optional[str] = None
+
+    def compose(self) -> ComposeResult:
+        self.spec_profile = self.app.profile
+        self.spec_backend = self.app.backend
+        spec = self.spec_profile
+        method = "target-only" if spec.method == "none" else f"{spec.method} d={spec.speculative.depth}"
+        yield Label(f"A/B  ·  conversation so far: {len(self.app.conv.messages)} messages", id="ab-header")
+        with Horizontal(id="ab-panes"):
+            yield ABPane("spec", f"speculative: {spec.name} ({method})")
+            yield ABPane("ref", f"reference: {self.reference_name or spec.name + ':target-only'} (loading…)")
+        yield Static("", id="ab-verdict", markup=False)
+        yield Label(SEQUENTIAL_NOTE, id="ab-mode")
+        yield ChatInput(id="ab-prompt")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._timer = self.set_interval(FRAME_S, self._drain, pause=True)
+        self.query_one("#ab-prompt").focus()
+        self.run_worker(self._load_reference, thread=True, group="ab-load", exit_on_error=False)
+
+    def on_unmount(self) -> None:
+        if self.cancel is not None:
+            self.cancel.set()
+        if self.ref_backend is not None and self.ref_backend is not self.app.backend:
+            try:
+                self.ref_backend.close()
+            except Exception:
+                pass
+
+    # -------------------------------------------------------------- reference load
+    def _load_reference(self) -> None:
+        try:
+            ref = load_profiles().get(self.reference_name) if self.reference_name else self.spec_profile.target_only()
+            backend = self.app.loader(ref)
+        except (ProfileError, BackendError) as e:
+            self.app.call_from_thread(self._ref_loaded, None, None, str(e))
+            return
+        except Exception as e:
+            self.app.call_from_thread(self._ref_loaded, None, None, one_line(e))
+            return
+        self.app.call_from_thread(self._ref_loaded, ref, backend, None)
+
+    def _ref_loaded(self, profile: Optional[Profile], backend: Optional[Backend], error: Optional[str]) -> None:
+        if error:
+            self.app.notify(f"reference failed to load: {error}", severity="error", timeout=12)
+            self.query_one("#pane-ref .ab-title", Label).update(f"reference: failed to load: {error}")
+            return
+        if not self.is_mounted:
+            backend.close()
+            return
+        self.ref_profile, self.ref_backend = profile, backend
+        method = "target-only" if profile.method == "none" else f"{profile.method} d={profile.speculative.depth}"
+        self.query_one("#pane-ref .ab-title", Label).update(f"reference: {profile.name} ({method}, {profile.backend})")
+        if self.pending_prompt is not None:
+            prompt, self.pending_prompt = self.pending_prompt, None
+            self.start(prompt)
+        if self.spec_profile.method == "none":
+            self.app.notify(f"{self.spec_profile.name} is not speculative: both sides decode target-only",
+                            severity="warning")
+
+    @property
+    def ready(self) -> bool:
+        return self.ref_backend is not None and self.spec_backend is not None
+
+    # ------------------------------------------------------------------------ run
+    @on(ChatInput.Submitted, "#ab-prompt")
+    def _submitted(self, event: ChatInput.Submitted) -> None:
+        if self.running:
+            self.app.notify("still running: Esc stops both", severity="warning")
+            return
+        event.input.clear()
+        if not self.ready:
+            self.pending_prompt = event.value.strip("\n")
+            self.app.notify("the reference is still loading: the prompt runs as soon as it is ready")
+            return
+        self.start(event.value.strip("\n"))
+
+    def start(self, prompt: str) -> None:
+        self.prompt = prompt
+        history = self.app.conv.messages + [{"role": "user", "content": prompt}]
+        system = self.app.conv.system
+        spec_req = Request(messages=messages_for(self.spec_profile, history, system))
+        ref_req = Request(messages=messages_for(self.ref_profile, history, system))
+        sampling = sampling_of(self.spec_profile)  # both sides: same seed, same budget
+        self.run_id += 1
+        self.cancel = threading.Event()
+        self.verdict = None
+        self.can_choose = False
+        self.panes = {p.side: p for p in self.query(ABPane)}
+        self.panes["spec"].reset("running")
+        self.panes["ref"].reset("running" if self.race else "waiting")
+        self.query_one("#ab-verdict", Static).update("")
+        self.running = True
+        rid, cancel, q = self.run_id, self.cancel, self.events
+        spec_b, ref_b = self.spec_backend, self.ref_backend
+
+        def spec():
+            pump(fresh(spec_b), spec_req, sampling, cancel, q, (rid, "spec"))
+
+        def ref():
+            pump(fresh(ref_b), ref_req, sampling, cancel, q, (rid, "ref"))
+        self.requests = (spec_req, ref_req, sampling)
+        if self.race:
+            self.run_worker(spec, thread=True, group="ab", exit_on_error=False)
+            self.run_worker(ref, thread=True, group="ab", exit_on_error=False)
+        else:
+            def sequential():
+                spec()
+                if not cancel.is_set():
+                    q.put(Item((rid, "ref-start"), None, time.perf_counter()))
+                    ref()
+                else:
+                    ref_cancelled = Failed("not run: stopped")
+                    q.put(Item((rid, "ref"), ref_cancelled, 0.0))
+            self.run_worker(sequential, thread=True, group="ab", exit_on_error=False)
+        self._timer_active = True
+        self._touched: set = set()
+        self.budget.reset()
+        self._timer.resume()
+
+    async def _drain(self) -> None:
+        touched, ended = set(), False
+        while True:
+            try:
+                item = self.events.get_nowait()
+            except queue.Empty:
+                break
+            rid, side = item.tag
+            if rid != self.run_id:
+                continue
+            if side == "ref-start":
+                pane = self.panes["ref"]
+                pane.live = LiveStats(started=item.at)
+                pane.state = "running"
+                touched.add("ref")
+                continue
+            pane = self.panes[side]
+            ev = item.event
+            touched.add(side)
+            if isinstance(ev, Summary):
+                pane.summary = ev
+                pane.live.finish(ev)
+                pane.state = "stopped" if ev.stop_reason == "cancelled" else "done"
+                if ev.text and ev.text != pane.tokens.text and ev.text.startswith(pane.tokens.text):
+                    pane.tokens.add(ev.text[len(pane.tokens.text):])
+                ended = True
+            elif isinstance(ev, Failed):
+                pane.failed = ev.message
+                pane.state = "failed"
+                ended = True
+            else:
+                pane.live.add(ev, item.at)
+                if ev.text:
+                    pane.tokens.add(ev.text, item.draft_chars)
+        self._touched |= touched
+        if not ended and not self.budget.due():
+            return
+        for side in self._touched:
+            self.panes[side].render_text()
+            self.panes[side].render_stats()
+        self._touched = set()
+        self.budget.drew()
+        if self.running and self._timer_active and all(p.state in ("done", "stopped", "failed")
+                                                       for p in self.panes.values()):
+            self._timer_active = False
+            self._finish()
+
+    def _finish(self) -> None:
+        self._timer.pause()
+        spec, ref = self.panes["spec"], self.panes["ref"]
+        if spec.summary is None or ref.summary is None:
+            self.running = False
+            msg = spec.failed or ref.failed or "stopped"
+            self.query_one("#ab-verdict", Static).update(f"no verdict: {msg}")
+            return
+        # continue the conversation with the reference reply (identical: either one)
+        conv = self.app.conv
+        conv.add("user", self.prompt)
+        conv.add("assistant", ref.tokens.text, profile=self.ref_profile.name)
+        self.using = "reference"
+        self.query_one("#ab-verdict", Static).update("judging…")
+        # judging may run reference forward passes (margins): never on the UI thread
+        rid = self.run_id
+        self.run_worker(partial(self._judge_thread, rid, ref.summary, spec.summary), thread=True,
+                        group="ab-judge", exit_on_error=False)
+
+    def _judge_thread(self, rid: int, ref: Summary, spec: Summary) -> None:
+        try:
+            v = self.judge(ref, spec)
+            offsets = (None, None)
+            if v.index is not None:
+                offsets = (self._char_offset(self.ref_backend, self.panes["ref"], v),
+                           self._char_offset(self.spec_backend, self.panes["spec"], v))
+        except Exception as e:
+            self.app.call_from_thread(self._judged, rid, None, (None, None), one_line(e))
+            return
+        self.app.call_from_thread(self._judged, rid, v, offsets, None)
+
+    def _judged(self, rid: int, v: Optional[Verdict], offsets, error: Optional[str]) -> None:
+        if rid != self.run_id or not self.is_attached:
+            return
+        self.running = False  # the backends are free again only now
+        if v is None:
+            self.query_one("#ab-verdict", Static).update(f"no verdict: {error}")
+            return
+        self.verdict = v
+        ref, spec = self.panes["ref"], self.panes["spec"]
+        ref.diverge_at, spec.diverge_at = offsets
+        ref.render_text()
+        spec.render_text()
+        self.can_choose = v.kind != IDENTICAL
+        self.query_one("#ab-header", Label).update(
+            f"A/B  ·  conversation so far: {len(self.app.conv.messages)} messages")
+        self.show_verdict()
+
+    def judge(self, ref: Summary, spec: Summary) -> Verdict:
+        """Token alignment with `specchat.compare` (as `specchat verify`); text when a side has no ids."""
+        if not (ref.token_ids and spec.token_ids):
+            return judge_text(ref.text, spec.text)
+        spec_req, ref_req, sampling = self.requests
+        backend = self.ref_backend
+        margin_at = margin_function(backend, backend.prompt_ids(ref_req), ref.token_ids, sampling)
+        tie = tie_margin_of(backend) if torch_engine_of(backend) is not None else near_tie_margin(self.ref_profile.dtype)
+        return judge_tokens(ref.token_ids, spec.token_ids, backend.detokenize, margin_at, tie)
+
+    @staticmethod
+    def _char_offset(backend: Backend, pane: ABPane, v: Verdict) -> int:
+        text = pane.tokens.text
+        if v.by == "text":
+            return min(v.index, len(text))
+        ids = pane.summary.token_ids
+        try:
+            prefix = backend.detokenize(ids[:v.index])
+        except Exception:
+            return len(text)
+        if text.startswith(prefix):
+            return len(prefix)
+        # the streamed text may differ in leading whitespace: fall back to the common prefix
+        n = 0
+        for a, b in zip(prefix, text):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def show_verdict(self) -> None:
+        v = self.verdict
+        spec, ref = self.panes["spec"].summary, self.panes["ref"].summary
+        ok = v.kind == IDENTICAL
+        parts = [("✔ " if ok else "✘ ") + v.line(), "bold green" if ok else ("bold yellow" if v.ok else "bold red")]
+        items = [tuple(parts)]
+        if spec.decode_tok_s and ref.decode_tok_s:
+            items.append(f"  │ speed-up ×{spec.decode_tok_s / ref.decode_tok_s:.2f} (decode tok/s "
+                         f"{spec.decode_tok_s:.1f} vs {ref.decode_tok_s:.1f})")
+        if self.can_choose:
+            items.append(f"\ncontinuing with the {self.using} reply (Ctrl+L: use the "
+                         f"{'speculative' if self.using == 'reference' else 'reference'} one) · Esc: back to chat")
+        else:
+            items.append("\nreply added to the conversation · Esc: back to chat")
+        self.query_one("#ab-verdict", Static).update(Content.assemble(*items))
+
+    # ------------------------------------------------------------------------ keys
+    def action_stop_or_close(self) -> None:
+        if self.running:
+            self.cancel.set()
+            self.app.notify("stopping both sides", timeout=2)
+        else:
+            self.app.pop_screen()
+
+    def action_toggle_race(self) -> None:
+        self.race = not self.race
+        self.query_one("#ab-mode", Label).update(RACE_NOTE if self.race else SEQUENTIAL_NOTE)
+
+    def action_use_other(self) -> None:
+        if not self.can_choose:
+            self.app.notify("nothing to choose: the replies are identical or none ran yet", severity="warning")
+            return
+        self.using = "speculative" if self.using == "reference" else "reference"
+        pane = self.panes["spec" if self.using == "speculative" else "ref"]
+        conv = self.app.conv
+        conv.pop_assistant()
+        conv.add("assistant", pane.tokens.text,
+                 profile=(self.spec_profile if self.using == "speculative" else self.ref_profile).name)
+        self.show_verdict()

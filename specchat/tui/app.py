@@ -1,0 +1,261 @@
+"""The specchat TUI: chat, profile switching, A/B split view and history."""
+from __future__ import annotations
+
+import datetime
+import sys
+from functools import partial
+from typing import Callable, Iterable, Optional
+
+from textual.app import App, SystemCommand
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.screen import Screen
+
+from backends.base import Backend, BackendError, Summary
+from specchat import loading
+from specchat.conversation import Conversation
+from specchat.history import History, HistoryError
+from specchat.live import one_line
+from specchat.profiles import Profile, ProfileError, ProfileSet, load_profiles
+from specchat.tui.chat_screen import ChatScreen
+
+BackendLoader = Callable[[Profile], Backend]
+ENGINE_SWITCH_INTERVAL_S = 0.0005
+
+
+def profile_line(p: Profile) -> str:
+    method = "target-only" if p.method == "none" else f"{p.method} (depth {p.speculative.depth})"
+    return f"{method} · {p.backend} · {p.model}"
+
+
+class ProfileCommands(Provider):
+    """Command palette: "Profile: NAME" switches to it."""
+
+    def _items(self):
+        app = self.app
+        ps = app.profile_set()
+        for name, p in sorted(ps.profiles.items()):
+            yield f"Profile: {name}", profile_line(p), name
+        for name, err in sorted(ps.errors.items()):
+            yield f"Profile: {name} (broken)", err, name
+
+    async def discover(self) -> Hits:
+        for title, help_, name in self._items():
+            yield DiscoveryHit(title, partial(self.app.switch_profile, name), help=help_)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for title, help_, name in self._items():
+            score = matcher.match(title)
+            if score > 0:
+                yield Hit(score, matcher.highlight(title), partial(self.app.switch_profile, name), help=help_)
+
+
+class SpecChatApp(App):
+    CSS_PATH = "app.tcss"
+    TITLE = "specchat"
+    COMMANDS = App.COMMANDS | {ProfileCommands}
+
+    def __init__(self, profile_name: str, *, loader: Optional[BackendLoader] = None,
+                 history: History | None | bool = True, ab_reference: Optional[str] = None,
+                 start_ab: bool = False):
+        super().__init__()
+        self.initial_profile = profile_name
+        self.loader: BackendLoader = loader or (lambda p: loading.load_backend(p))
+        self.profile: Optional[Profile] = None
+        self.backend: Optional[Backend] = None
+        self.loading: Optional[str] = None
+        self.show_origin = False
+        self.last_summary: Optional[Summary] = None
+        self.start_ab = start_ab
+        self.ab_reference = ab_reference
+        self._history_error: Optional[str] = None
+        if history is True:
+            try:
+                history = History()
+            except HistoryError as e:
+                history, self._history_error = None, str(e)
+        self.history: Optional[History] = history or None
+        self.conv = Conversation(self.history, profile_name, on_error=self._history_failed)
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_mount(self) -> None:
+        # The engine thread needs the GIL briefly between native passes; with Python's default
+        # 5 ms switch interval a busy render can hold it that long every pass. A short interval
+        # hands it over within ~0.5 ms (measured by scripts/tui_throughput.py).
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
+        self.push_screen(ChatScreen())
+        if self._history_error:
+            self.notify(self._history_error, severity="warning", timeout=10)
+        self.switch_profile(self.initial_profile, then_ab=self.start_ab)
+
+    def on_unmount(self) -> None:
+        sys.setswitchinterval(self._switch_interval)
+        if self.backend is not None:
+            try:
+                self.backend.close()
+            except Exception:
+                pass
+
+    def _history_failed(self, msg: str) -> None:
+        self.notify(msg, severity="warning", timeout=10)
+
+    @property
+    def chat(self) -> ChatScreen:
+        return next(s for s in self.screen_stack if isinstance(s, ChatScreen))
+
+    def _refresh_status(self) -> None:
+        for s in self.screen_stack:
+            if hasattr(s, "refresh_status"):
+                s.refresh_status()
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Switch profile", "Pick a profile (F2)", self.action_pick_profile)
+        yield SystemCommand("A/B split view", "Speculative vs target-only, side by side (F3)", self.open_ab)
+        yield SystemCommand("History", "Reopen a saved conversation (F5)", self.action_show_history)
+        yield SystemCommand("Export conversation", "Write it as Markdown (F8)", self.action_export_current)
+        yield SystemCommand("Toggle token colours", "Accepted drafts vs target tokens (Ctrl+T)",
+                            lambda: self.run_action("screen.toggle_origin"))
+        yield SystemCommand("New chat", "Start over (Ctrl+N)", lambda: self.run_action("screen.new_chat"))
+
+    # ------------------------------------------------------------------- profiles
+    def profile_set(self) -> ProfileSet:
+        try:
+            return load_profiles()
+        except Exception as e:  # never let a profile problem take the app down
+            return ProfileSet({}, {"profiles": one_line(e)})
+
+    def action_pick_profile(self) -> None:
+        from specchat.tui.widgets import ProfilePicker
+
+        ps = self.profile_set()
+        rows = [(n, profile_line(p), True) for n, p in sorted(ps.profiles.items())]
+        rows += [(n, f"broken: {e}", False) for n, e in sorted(ps.errors.items())]
+        self.push_screen(ProfilePicker(rows, self.profile.name if self.profile else None),
+                         lambda name: name and self.switch_profile(name))
+
+    def switch_profile(self, name: str, then_ab: bool = False) -> None:
+        """Load a profile's backend in a thread worker; the previous one stays usable until it works."""
+        if self.loading:
+            self.notify(f"still loading {self.loading}", severity="warning")
+            return
+        chat = self.chat
+        if chat.generating:
+            self.notify("a reply is still streaming: Esc stops it, then switch", severity="warning")
+            return
+        self.loading = name
+        self.notify(f"loading {name}…", timeout=3)
+        self._refresh_status()
+        self.run_worker(partial(self._load_thread, name, then_ab), thread=True, group="load",
+                        exit_on_error=False, name=f"load {name}")
+
+    def _load_thread(self, name: str, then_ab: bool) -> None:
+        profile = backend = None
+        error = None
+        try:
+            profile = load_profiles().get(name)
+            backend = self.loader(profile)
+        except (ProfileError, BackendError) as e:
+            error = str(e)
+        except Exception as e:
+            error = f"cannot load profile '{name}': {one_line(e)}"
+        self.call_from_thread(self._loaded, name, profile, backend, error, then_ab)
+
+    def _loaded(self, name: str, profile: Optional[Profile], backend: Optional[Backend],
+                error: Optional[str], then_ab: bool) -> None:
+        self.loading = None
+        if error is not None:
+            keep = f" (still on {self.profile.name})" if self.profile else ""
+            self.notify(error + keep, title=f"profile {name} failed", severity="error", timeout=12)
+            self._refresh_status()
+            return
+        old = self.backend
+        self.profile, self.backend = profile, backend
+        self.conv.set_profile(profile.name)
+        if old is not None and old is not backend:
+            try:
+                old.close()
+            except Exception:
+                pass
+        self.notify(f"{profile.name}: {profile_line(profile)}", title="profile loaded", timeout=4)
+        self._refresh_status()
+        if then_ab:
+            self.open_ab()
+
+    # ------------------------------------------------------------------------ A/B
+    def open_ab(self) -> None:
+        from specchat.tui.ab_screen import ABScreen
+
+        if self.profile is None:
+            self.notify("no model loaded yet", severity="warning")
+            return
+        self.push_screen(ABScreen(self.ab_reference))
+
+    # -------------------------------------------------------------------- history
+    def action_show_history(self) -> None:
+        from specchat.tui.widgets import HistoryScreen
+
+        if self.history is None:
+            self.notify("history is off for this session", severity="warning")
+            return
+        rows = []
+        for c in self.history.list_conversations():
+            when = datetime.datetime.fromtimestamp(c.updated).strftime("%Y-%m-%d %H:%M")
+            rows.append((c.id, f"{when}  {c.title or '(untitled)'}  · {c.profile} · {c.messages} msgs"))
+
+        def opened(cid: Optional[int]) -> None:
+            if cid is None:
+                return
+            if self.chat.generating:
+                self.notify("a reply is still streaming: Esc stops it", severity="warning")
+                return
+            try:
+                self.conv.open(cid)
+            except HistoryError as e:
+                self.notify(str(e), severity="error")
+                return
+            self.call_later(self.chat.rebuild)
+            self.notify(f"opened conversation {cid}")
+        self.push_screen(HistoryScreen(rows), opened)
+
+    def export_conversation(self, cid: int, path: Optional[str] = None) -> None:
+        if self.history is None:
+            self.notify("history is off for this session: nothing to export", severity="warning")
+            return
+        try:
+            out = self.history.export_markdown(cid, path)
+        except HistoryError as e:
+            self.notify(str(e), severity="error")
+            return
+        self.notify(f"exported to {out}", timeout=8)
+
+    def action_export_current(self) -> None:
+        from specchat import paths
+        from specchat.tui.widgets import PathModal
+
+        if self.conv.id is None:
+            self.notify("nothing to export yet", severity="warning")
+            return
+        default = str(paths.data_dir() / "exports" / f"conversation-{self.conv.id}.md")
+        cid = self.conv.id
+        self.push_screen(PathModal("Export to Markdown (Enter: write · Esc: cancel)", default),
+                         lambda p: p and self.export_conversation(cid, p))
+
+
+def _check_profile(name: str) -> None:
+    load_profiles().get(name)  # raises ProfileError: one line, exit 2 via the CLI
+
+
+def run_chat(profile_name: str) -> int:
+    _check_profile(profile_name)
+    SpecChatApp(profile_name).run()
+    return 0
+
+
+def run_ab(spec: str, ref: Optional[str] = None) -> int:
+    _check_profile(spec)
+    if ref:
+        _check_profile(ref)
+    SpecChatApp(spec, ab_reference=ref, start_ab=True).run()
+    return 0

@@ -1,0 +1,303 @@
+"""The chat: a streamed multi-turn conversation with live speculative-decoding figures."""
+from __future__ import annotations
+
+import queue
+import threading
+from functools import partial
+from typing import TYPE_CHECKING, Optional
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.content import Content
+from textual.screen import Screen
+from textual.widgets import Footer, LoadingIndicator
+
+from backends.base import Request, Summary
+from specchat.live import Failed, Item, LiveStats, format_rate, positions_line, pump
+from specchat.loading import messages_for, sampling_of
+from specchat.tui.budget import RenderBudget
+from specchat.tui.widgets import DRAFT_STYLE, AssistantMessage, ChatInput, StatusBar, UserMessage
+
+if TYPE_CHECKING:
+    from specchat.tui.app import SpecChatApp
+
+FRAME_S = 1 / 30  # the UI drains engine events at this rate, never per token
+
+
+def stats_dict(s: Summary) -> dict:
+    d = {"tokens": s.tokens, "passes": s.passes, "ttft_s": round(s.ttft_s, 4),
+         "decode_tok_s": round(s.decode_tok_s, 2), "stop_reason": s.stop_reason}
+    if s.drafts:
+        d.update(mean_accepted=round(s.mean_accepted, 3), acceptance_rate=round(s.acceptance_rate, 3))
+    return d
+
+
+def summary_note(s: Summary) -> str:
+    note = f"{s.tokens} tok · TTFT {s.ttft_s:.2f}s · {s.decode_tok_s:.1f} tok/s"
+    if s.drafts:
+        note += f" · {s.mean_accepted:.2f} tok/pass"
+    if s.stop_reason not in ("eos",):
+        note += f" · stopped: {s.stop_reason}"
+    return note
+
+
+class ChatScreen(Screen):
+    app: "SpecChatApp"
+
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", priority=True),
+        Binding("ctrl+r", "regenerate", "Regenerate"),
+        Binding("ctrl+n", "new_chat", "New chat"),
+        Binding("f2", "app.pick_profile", "Profile"),
+        Binding("f3", "ab", "A/B"),
+        Binding("f4", "system_prompt", "System"),
+        Binding("f5", "app.show_history", "History"),
+        Binding("f8", "app.export_current", "Export"),
+        Binding("ctrl+t", "toggle_origin", "Token colours"),
+        Binding("ctrl+o", "copy_reply", "Copy reply"),
+        Binding("ctrl+b", "copy_code", "Copy code"),
+    ]
+
+    def __init__(self):
+        super().__init__(id="chat")
+        self.events: "queue.Queue[Item]" = queue.Queue()
+        self.cancel: Optional[threading.Event] = None
+        self.live: Optional[LiveStats] = None
+        self.reply: Optional[AssistantMessage] = None
+        self.generation = 0
+        self.generating = False
+        self._shown_version = -1
+        self.budget = RenderBudget()
+
+    def compose(self) -> ComposeResult:
+        yield VerticalScroll(id="conversation")
+        yield StatusBar(id="status")
+        yield ChatInput(id="prompt")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._timer = self.set_interval(FRAME_S, self._drain, pause=True)
+        self.query_one("#prompt").focus()
+        self.refresh_status()
+
+    async def on_screen_resume(self) -> None:
+        if self._shown_version != self.app.conv.version and not self.generating:
+            await self.rebuild()
+        self.refresh_status()
+
+    # ----------------------------------------------------------------- conversation view
+    async def rebuild(self) -> None:
+        box = self.query_one("#conversation", VerticalScroll)
+        await box.remove_children()
+        widgets = []
+        for m in self.app.conv.messages:
+            if m["role"] == "user":
+                widgets.append(UserMessage(m["content"]))
+            else:
+                widgets.append(AssistantMessage(m["content"], show_origin=self.app.show_origin))
+        if widgets:
+            await box.mount_all(widgets)
+        box.scroll_end(animate=False)
+        self._shown_version = self.app.conv.version
+
+    # ------------------------------------------------------------------------ status
+    def refresh_status(self) -> None:
+        app = self.app
+        if not self.query(StatusBar):
+            return  # not composed yet
+        # the spinner exists only while a model loads: hidden, it would still tick 16 times a second
+        spinner = self.query("#loading")
+        if app.loading and not spinner:
+            self.mount(LoadingIndicator(id="loading"), before=self.query_one(StatusBar))
+        elif not app.loading and spinner:
+            spinner.remove()
+        parts: list = []
+        if app.loading:
+            parts.append(f"loading {app.loading}… ")
+        if app.profile is None:
+            parts.append("no model loaded: F2 picks a profile")
+            self.query_one(StatusBar).show(Content.assemble(*parts))
+            return
+        p = app.profile
+        method = "target-only" if p.method == "none" else f"{p.method} d={p.speculative.depth}"
+        parts += [(p.name, "bold"), f" · {p.backend} · {method}"]
+        per_pass = None
+        live = self.live
+        if live is not None:
+            ttft = live.ttft_s
+            parts.append(f" │ TTFT {ttft:.2f}s" if ttft is not None else " │ TTFT –")
+            parts.append(f" │ {format_rate(live.tok_s)} tok/s")
+            if live.speculative or p.method != "none":
+                parts.append(f" │ {live.mean_per_pass:.2f} tok/pass (now {live.current_per_pass})")
+                if live.acceptance_by_position:
+                    parts.append(f" │ by pos {positions_line(live.acceptance_by_position)}")
+                per_pass = live.per_pass
+        if app.show_origin:
+            parts += [" │ ", ("■ accepted draft", DRAFT_STYLE), " ■ target"]
+        self.query_one(StatusBar).show(Content.assemble(*parts), per_pass)
+
+    # -------------------------------------------------------------------- generation
+    @on(ChatInput.Submitted, "#prompt")
+    async def _submitted(self, event: ChatInput.Submitted) -> None:
+        if self.generating:
+            self.app.notify("a reply is still streaming: Esc stops it", severity="warning")
+            return
+        if self.app.backend is None:
+            self.app.notify("no model loaded yet: wait for it, or pick a profile with F2", severity="warning")
+            return
+        event.input.clear()
+        text = event.value.strip("\n")
+        self.app.conv.add("user", text)
+        await self.query_one("#conversation").mount(UserMessage(text))
+        await self.start_reply()
+
+    async def start_reply(self) -> None:
+        app = self.app
+        profile, backend = app.profile, app.backend
+        request = Request(messages=messages_for(profile, app.conv.messages, app.conv.system))
+        self.generation += 1
+        self.cancel = threading.Event()
+        self.live = LiveStats()
+        self.reply = AssistantMessage(show_origin=app.show_origin)
+        await self.query_one("#conversation").mount(self.reply)
+        self.query_one("#conversation").scroll_end(animate=False)
+        self.generating = True
+        self._reply_profile = profile.name
+        self.run_worker(partial(pump, backend, request, sampling_of(profile), self.cancel, self.events,
+                                self.generation),
+                        thread=True, group="generate", exit_on_error=False, name="generate")
+        self.budget.reset()
+        self._timer.resume()
+        self.refresh_status()
+
+    async def _drain(self) -> None:
+        """Take everything the engine produced since the last tick; redraw when the budget allows."""
+        end = None
+        reply = self.reply
+        while True:
+            try:
+                item = self.events.get_nowait()
+            except queue.Empty:
+                break
+            if item.tag != self.generation:
+                continue  # a stale stream
+            ev = item.event
+            if isinstance(ev, (Summary, Failed)):
+                end = ev
+                break
+            self.live.add(ev, item.at)
+            if ev.text and reply is not None:
+                reply.record(ev.text, item.draft_chars)
+        if end is None and not self.budget.due():
+            return
+        if reply is not None:
+            box = self.query_one("#conversation", VerticalScroll)
+            follow = box.max_scroll_y - box.scroll_y <= 3  # the user has not scrolled up
+            await reply.flush()
+            if follow:
+                box.scroll_end(animate=False)
+        if end is not None:
+            await self._finish(end)
+        self.refresh_status()
+        self.budget.drew()
+
+    async def _finish(self, end) -> None:
+        self._timer.pause()
+        try:
+            await self._complete(end)
+        finally:
+            self.reply = None
+            self.generating = False  # only now: new chat / regenerate must not race the final render
+
+    async def _complete(self, end) -> None:
+        reply = self.reply
+        app = self.app
+        if isinstance(end, Failed):
+            app.notify(end.message, severity="error", timeout=10)
+            if reply is not None and not reply.text:
+                await reply.remove()
+                return
+            app.conv.add("assistant", reply.text, profile=self._reply_profile, stats={"error": end.message})
+            self._shown_version = app.conv.version
+            await reply.finish(note="stopped by an error")
+            return
+        self.live.finish(end)
+        app.last_summary = end
+        text = end.text or reply.text
+        if text:  # saved before the final render: a crash now loses nothing
+            app.conv.add("assistant", text, profile=self._reply_profile, stats=stats_dict(end))
+            self._shown_version = app.conv.version
+            await reply.finish(text, note=summary_note(end))
+        else:
+            await reply.remove()
+
+    # ----------------------------------------------------------------------- actions
+    def action_stop(self) -> None:
+        if self.generating and self.cancel is not None:
+            self.cancel.set()
+            self.app.notify("stopping: the reply so far is kept", timeout=2)
+
+    async def action_regenerate(self) -> None:
+        if self.generating or self.app.backend is None:
+            return
+        conv = self.app.conv
+        if not conv.messages:
+            return
+        if conv.messages[-1]["role"] == "assistant":
+            conv.pop_assistant()
+            replies = self.query(AssistantMessage)
+            if replies:
+                await replies.last().remove()
+        await self.start_reply()
+
+    async def action_new_chat(self) -> None:
+        if self.generating:
+            self.action_stop()
+            return
+        self.app.conv.reset()
+        self.live = None
+        await self.rebuild()
+        self.refresh_status()
+
+    def action_system_prompt(self) -> None:
+        from specchat.tui.widgets import SystemPromptModal
+
+        conv = self.app.conv
+        current = conv.system if conv.system is not None else (self.app.profile.system if self.app.profile else "")
+
+        def done(text: Optional[str]) -> None:
+            if text is not None:
+                conv.set_system(text.strip())
+                self.app.notify("system prompt set" if text.strip() else "system prompt cleared")
+        self.app.push_screen(SystemPromptModal(current or ""), done)
+
+    async def action_toggle_origin(self) -> None:
+        app = self.app
+        app.show_origin = not app.show_origin
+        for w in self.query(AssistantMessage):
+            await w.set_origin_mode(app.show_origin)
+        self.refresh_status()
+
+    def action_copy_reply(self) -> None:
+        text = self.reply.text if self.reply is not None and self.reply.text else self.app.conv.last_reply
+        if not text:
+            self.app.notify("no reply to copy yet", severity="warning")
+            return
+        self.app.copy_to_clipboard(text)
+        self.app.notify(f"copied the reply ({len(text)} characters)")
+
+    def action_copy_code(self) -> None:
+        code = self.app.conv.last_code()
+        if code is None:
+            self.app.notify("no code block in the replies", severity="warning")
+            return
+        self.app.copy_to_clipboard(code)
+        self.app.notify(f"copied the last code block ({len(code.splitlines())} lines)")
+
+    def action_ab(self) -> None:
+        if self.generating:
+            self.app.notify("a reply is still streaming: Esc stops it", severity="warning")
+            return
+        self.app.open_ab()

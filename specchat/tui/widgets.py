@@ -1,0 +1,270 @@
+"""Widgets shared by the chat and A/B screens."""
+from __future__ import annotations
+
+
+from typing import Optional
+
+from textual import events, on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.content import Content, Span
+from textual.message import Message
+from textual.screen import ModalScreen
+from textual.widgets import Input, Label, Markdown, OptionList, Sparkline, Static, TextArea
+from textual.widgets.option_list import Option
+
+DRAFT_STYLE = "bold #5fd7ff"  # accepted draft tokens
+DIVERGE_STYLE = "on #870000"  # from the first divergent token on
+
+
+class ChatInput(TextArea):
+    """Multi-line prompt: Enter sends, Shift+Enter or Ctrl+J inserts a newline."""
+
+    class Submitted(Message):
+        def __init__(self, input: "ChatInput", value: str):
+            super().__init__()
+            self.input = input
+            self.value = value
+
+        @property
+        def control(self) -> "ChatInput":
+            return self.input
+
+    def __init__(self, **kwargs):
+        super().__init__(soft_wrap=True, show_line_numbers=False, compact=True, **kwargs)
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            text = self.text
+            if text.strip():
+                self.post_message(self.Submitted(self, text))
+            return
+        if event.key in ("shift+enter", "ctrl+j", "alt+enter"):
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+            return
+        await super()._on_key(event)
+
+
+class UserMessage(Static):
+    def __init__(self, text: str):
+        super().__init__(text, markup=False, classes="message user")
+        self.text = text
+
+
+class TokenText:
+    """Reply text with the spans of accepted draft tokens, as it streams."""
+
+    def __init__(self, text: str = ""):
+        self.text = text
+        self.spans: list[tuple[int, int]] = []
+
+    def add(self, text: str, draft_chars: int = 0) -> None:
+        start = len(self.text)
+        self.text += text
+        if draft_chars:
+            end = start + min(draft_chars, len(text))
+            if self.spans and self.spans[-1][1] == start:
+                self.spans[-1] = (self.spans[-1][0], end)
+            else:
+                self.spans.append((start, end))
+
+    def content(self, origin: bool = True, diverge_at: Optional[int] = None) -> Content:
+        spans = [Span(a, b, DRAFT_STYLE) for a, b in self.spans] if origin else []
+        if diverge_at is not None and diverge_at < len(self.text):
+            spans.append(Span(diverge_at, len(self.text), DIVERGE_STYLE))
+        return Content(self.text, spans)
+
+
+class AssistantMessage(Vertical):
+    """A reply: Markdown while streaming (only the last block re-parsed), or token-origin colours."""
+
+    def __init__(self, text: str = "", show_origin: bool = False, note: str = ""):
+        super().__init__(classes="message assistant")
+        self.tokens = TokenText(text)
+        self.show_origin = show_origin
+        self.note = note
+        self._stream = None
+        self._pending: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return self.tokens.text
+
+    def compose(self) -> ComposeResult:
+        yield Markdown(self.tokens.text, classes="reply-md")
+        yield Static(self.tokens.content(), classes="reply-origin", markup=False)
+        yield Label(self.note, classes="reply-note")
+
+    def on_mount(self) -> None:
+        self._apply_mode()
+
+    def _apply_mode(self) -> None:
+        self.query_one(".reply-md").display = not self.show_origin
+        origin = self.query_one(".reply-origin", Static)
+        origin.display = self.show_origin
+        if self.show_origin:
+            origin.update(self.tokens.content())
+        self.query_one(".reply-note").display = bool(self.note)
+
+    async def set_origin_mode(self, on: bool) -> None:
+        if on == self.show_origin:
+            return
+        self.show_origin = on
+        if not on:
+            if self._stream is not None:
+                await self._stream.stop()
+                self._stream = None
+            await self.query_one(".reply-md", Markdown).update(self.tokens.text)
+            self._pending.clear()
+        self._apply_mode()
+
+    def record(self, text: str, draft_chars: int = 0) -> None:
+        """Note one step's text (kept with its draft span); shown at the next `flush`."""
+        self.tokens.add(text, draft_chars)
+        self._pending.append(text)
+
+    async def flush(self) -> None:
+        """Show what was recorded since the last frame: one Markdown append, not one per token."""
+        if not self._pending or not self.is_attached:
+            return
+        chunk = "".join(self._pending)
+        self._pending.clear()
+        if self.show_origin:
+            self.query_one(".reply-origin", Static).update(self.tokens.content())
+            return
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.query_one(".reply-md", Markdown))
+        await self._stream.write(chunk)
+
+    async def finish(self, final_text: Optional[str] = None, note: str = "") -> None:
+        """Stop streaming and re-render the whole reply once (so fenced code never ends blank)."""
+        if final_text is not None and final_text != self.tokens.text:
+            if final_text.startswith(self.tokens.text):
+                self.tokens.add(final_text[len(self.tokens.text):])
+            else:
+                self.tokens = TokenText(final_text)
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.note = note
+        if not self.is_attached:
+            return  # removed while streaming (new chat): nothing to draw
+        await self.query_one(".reply-md", Markdown).update(self.tokens.text)
+        if self.is_attached and self.query(".reply-note"):
+            self.query_one(".reply-note", Label).update(note)
+            self._apply_mode()
+
+
+class StatusBar(Horizontal):
+    def compose(self) -> ComposeResult:
+        yield Static("", id="status-text", markup=False)
+        yield Sparkline([], id="status-spark")
+
+    def show(self, text: str | Content, per_pass: Optional[list[int]] = None) -> None:
+        self.query_one("#status-text", Static).update(text, layout=False)  # fixed size: no relayout
+        spark = self.query_one("#status-spark", Sparkline)
+        spark.display = bool(per_pass)
+        if per_pass:
+            spark.data = per_pass[-60:]
+
+
+# ------------------------------------------------------------------------------ modals
+
+class ProfilePicker(ModalScreen[Optional[str]]):
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
+
+    def __init__(self, rows: list[tuple[str, str, bool]], current: Optional[str]):
+        """rows: (name, description line, usable)."""
+        super().__init__()
+        self.rows = rows
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label("Switch profile  (Enter: load · Esc: cancel)", classes="dialog-title")
+            options = []
+            for name, line, ok in self.rows:
+                mark = "●" if name == self.current else " "
+                label = Content.assemble(f"{mark} ", (name, "bold"), "  ", (line, "" if ok else "red"))
+                options.append(Option(label, id=name))
+            yield OptionList(*options, id="profile-list")
+
+    def on_mount(self) -> None:
+        ol = self.query_one(OptionList)
+        for i, (name, _, _) in enumerate(self.rows):
+            if name == self.current:
+                ol.highlighted = i
+
+    @on(OptionList.OptionSelected)
+    def _picked(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+
+class SystemPromptModal(ModalScreen[Optional[str]]):
+    """Edit the system prompt; Ctrl+S saves (an empty prompt means none), Esc cancels."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"), Binding("ctrl+s", "save", "Save", priority=True)]
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label("System prompt  (Ctrl+S: save · Esc: cancel)", classes="dialog-title")
+            yield TextArea(self.text, id="system-text", soft_wrap=True)
+
+    def action_save(self) -> None:
+        self.dismiss(self.query_one("#system-text", TextArea).text)
+
+
+class PathModal(ModalScreen[Optional[str]]):
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
+
+    def __init__(self, title: str, value: str):
+        super().__init__()
+        self.title_text = title
+        self.value = value
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog small"):
+            yield Label(self.title_text, classes="dialog-title")
+            yield Input(self.value, id="path-input")
+
+    @on(Input.Submitted)
+    def _done(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip() or None)
+
+
+class HistoryScreen(ModalScreen[Optional[int]]):
+    """Saved conversations, newest first. Enter opens, X exports, Esc closes."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Close"), Binding("x", "export", "Export Markdown")]
+
+    def __init__(self, rows: list[tuple[int, str]]):
+        super().__init__()
+        self.rows = rows
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label("History  (Enter: open · X: export to Markdown · Esc: close)", classes="dialog-title")
+            if self.rows:
+                yield OptionList(*[Option(line, id=str(cid)) for cid, line in self.rows], id="history-list")
+            else:
+                yield Label("No saved conversations yet.")
+
+    @on(OptionList.OptionSelected)
+    def _picked(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(int(event.option.id))
+
+    def action_export(self) -> None:
+        ol = self.query("#history-list")
+        if not ol or ol.first().highlighted is None:
+            return
+        option = ol.first().get_option_at_index(ol.first().highlighted)
+        self.app.export_conversation(int(option.id))

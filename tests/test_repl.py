@@ -1,0 +1,133 @@
+"""The line REPL through prompt-toolkit's pipe input and DummyOutput."""
+import _thread
+import io
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from prompt_toolkit.document import Document
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+
+from backends.base import BackendError
+from specchat.history import History
+from specchat.repl import Repl
+from tests.scripted import ScriptedBackend
+
+PROFILES = {
+    "spec": "backend: torch\nmodel: smollm2-135m-instruct\nspeculative:\n  method: ngram\n",
+    "plain": "backend: torch\nmodel: smollm2-135m-instruct\n",
+    "broken": "backend: torch\nmodel: x\nbogus: 1\n",
+}
+
+
+@pytest.fixture
+def profiles(isolated_dirs):
+    d = Path(os.environ["SPECCHAT_PROFILES_DIR"])
+    d.mkdir(parents=True, exist_ok=True)
+    for name, text in PROFILES.items():
+        (d / f"{name}.yaml").write_text(text)
+
+
+def make(backends, lines):
+    def loader(profile):
+        b = backends.get(profile.name)
+        if b is None:
+            raise BackendError(f"cannot load {profile.name}")
+        return b
+    inp_cm = create_pipe_input()
+    inp = inp_cm.__enter__()
+    inp.send_text(lines)
+    out = io.StringIO()
+    repl = Repl("spec", loader=loader, input=inp, output=DummyOutput(), out=out)
+    return repl, out, inp_cm
+
+
+def run(backends, lines):
+    repl, out, cm = make(backends, lines)
+    try:
+        rc = repl.run()
+    finally:
+        cm.__exit__(None, None, None)
+    return repl, out.getvalue(), rc
+
+
+def test_chat_turns_stream_and_history(profiles):
+    spec = ScriptedBackend(["Hello there.", "Second."], accept=[1])
+    repl, out, rc = run({"spec": spec}, "hi\nmore\n/stats\n/exit\n")
+    assert rc == 0
+    assert "Hello there.\n" in out and "Second.\n" in out
+    assert "tok/pass" in out  # /stats of a speculative reply
+    assert [m["content"] for m in spec.requests[-1].messages] == ["hi", "Hello there.", "more"]
+    saved = History().load(repl.conv.id)
+    assert [m.content for m in saved.messages] == ["hi", "Hello there.", "more", "Second."]
+    hist = Path(os.environ["SPECCHAT_DATA_DIR"]) / "repl_history"
+    assert "more" in hist.read_text()  # the prompt history file lives at an absolute data path
+
+
+def test_ctrl_d_exits(profiles):
+    _, out, rc = run({"spec": ScriptedBackend(["x"])}, "\x04")
+    assert rc == 0
+
+
+def test_profile_switch_errors_keep_previous(profiles):
+    spec, plain = ScriptedBackend(["from spec"]), ScriptedBackend(["from plain"])
+    repl, out, _ = run({"spec": spec, "plain": plain},
+                       "/profile broken\n/profile nosuch\nq\n/profile plain\nq2\n/exit\n")
+    lines = [l for l in out.splitlines() if l.startswith("error:")]
+    assert len(lines) == 2 and all("still on spec" in l for l in lines)
+    assert "bogus" in lines[0] and "no profile named 'nosuch'" in lines[1]
+    assert "from spec" in out and "from plain" in out
+    assert [m["content"] for m in plain.requests[-1].messages] == ["q", "from spec", "q2"]
+
+
+def test_ab_and_verify_print_verdicts(profiles):
+    spec = ScriptedBackend(["the cat sat", "a b c"], accept=[1])
+    ref = ScriptedBackend(["the cat sat", "a x c"])
+    repl, out, _ = run({"spec": spec, "spec:target-only": ref}, "one\n/verify\n/ab\ntwo\n/exit\n")
+    verdicts = [l for l in out.splitlines() if l.startswith("verdict:")]
+    assert verdicts[0].startswith("verdict: identical (3 tokens)")
+    assert verdicts[1].startswith("verdict: mismatch at token 1") and "' x'" in verdicts[1]
+    assert "── reference (spec:target-only) ──" in out
+
+
+def test_system_clear_save(profiles, tmp_path):
+    spec = ScriptedBackend(["ok"])
+    target = tmp_path / "out.md"
+    repl, out, _ = run({"spec": spec}, f"/system Be brief.\nq\n/save {target}\n/clear\n/bogus\n/exit\n")
+    assert spec.requests[0].messages[0] == {"role": "system", "content": "Be brief."}
+    assert "## User\n\nq" in target.read_text()
+    assert repl.conv.messages == []
+    assert "error: unknown command /bogus" in out
+
+
+def test_slash_completion_uses_whole_words(profiles):
+    repl, _, cm = make({"spec": ScriptedBackend(["x"])}, "")
+    try:
+        comp = repl.session.completer
+        got = [c.text for c in comp.get_completions(Document("/pr"), None)]
+        assert got == ["/profile"]
+        got = [c.text for c in comp.get_completions(Document("/profile pl"), None)]
+        assert got == ["plain"]
+    finally:
+        cm.__exit__(None, None, None)
+
+
+def test_ctrl_c_stops_reply_and_stays(profiles):
+    long = " ".join(f"w{i}" for i in range(300))
+    spec = ScriptedBackend([long, "after"], delay=0.01)
+    repl, out, cm = make({"spec": spec}, "")
+    try:
+        assert repl.load("spec")
+        timer = threading.Timer(0.15, _thread.interrupt_main)
+        timer.start()
+        repl.ask("go")
+        timer.join()
+        kept = repl.conv.last_reply
+        assert kept and long.startswith(kept) and len(kept) < len(long)
+        assert "[stopped: the reply so far is kept]" in out.getvalue()
+        repl.ask("next")  # still usable
+        assert repl.conv.last_reply == "after"
+    finally:
+        cm.__exit__(None, None, None)
