@@ -191,6 +191,14 @@ class Backend(ABC):
             return list(request.prompt_ids)
         return self.tokenize_chat(request.messages)
 
+    def checked_prompt(self, request: Request) -> list[int]:
+        """The request's prompt ids, refused with one clear line if empty or past the context."""
+        prompt = self.prompt_ids(request)
+        if not prompt:
+            raise BackendError("the prompt is empty; send some text")
+        self.check_fits(len(prompt))
+        return prompt
+
     def check_fits(self, n_prompt: int) -> None:
         if n_prompt >= self.context_length:
             raise BackendError(

@@ -75,8 +75,7 @@ class TransformersBackend(Backend):
 
     def stream(self, request: Request, sampling: Sampling,
                cancel: threading.Event | None = None) -> Iterator[Event]:
-        prompt = self.prompt_ids(request)
-        self.check_fits(len(prompt))
+        prompt = self.checked_prompt(request)
 
         @torch.inference_mode()
         def tokens() -> Iterator[int]:

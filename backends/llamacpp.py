@@ -147,8 +147,7 @@ class LlamaCppBackend(Backend):
 
     def stream(self, request: Request, sampling: Sampling,
                cancel: threading.Event | None = None) -> Iterator[Event]:
-        prompt = self.prompt_ids(request)
-        self.check_fits(len(prompt))
+        prompt = self.checked_prompt(request)
         self.llm.set_seed(sampling.seed)
         temp = sampling.temperature
         tokens = self.llm.generate(prompt, temp=temp, top_k=sampling.top_k if temp > 0 else 1,

@@ -184,10 +184,7 @@ class TorchBackend(Backend):
 
     def stream(self, request: Request, sampling: Sampling,
                cancel: threading.Event | None = None) -> Iterator[Event]:
-        prompt = self.prompt_ids(request)
-        if not prompt:
-            raise BackendError("the prompt is empty; send some text")
-        self.check_fits(len(prompt))
+        prompt = self.checked_prompt(request)
 
         def tokens() -> Iterator[int]:
             logits = self.prefill(prompt)

@@ -52,10 +52,7 @@ class SpeculativeBackend(Backend):
 
     def stream(self, request: Request, sampling: Sampling,
                cancel: threading.Event | None = None) -> Iterator[Event]:
-        prompt = self.prompt_ids(request)
-        if not prompt:
-            raise BackendError("the prompt is empty; send some text")
-        self.check_fits(len(prompt))
+        prompt = self.checked_prompt(request)
         return speculative_stream(self.target, self.drafter, prompt, sampling, self.depth, self.acceptance, cancel,
                                   self.strict)
 
