@@ -119,6 +119,17 @@ class Summary:
 Event = Union[Step, Summary]
 
 
+def tally_positions(drafted: list[int], accepted: list[int], step: Step) -> None:
+    """Per draft position: how many passes drafted a token there, and how many kept it."""
+    while len(drafted) < step.drafted:
+        drafted.append(0)
+        accepted.append(0)
+    for i in range(step.drafted):
+        drafted[i] += 1
+    for i in range(step.accepted):
+        accepted[i] += 1
+
+
 class StreamStats:
     """Accumulates `Step`s into a `Summary`; every backend uses it so metrics mean one thing."""
 
@@ -139,13 +150,7 @@ class StreamStats:
             s.drafts += 1
             s.draft_tokens += step.drafted
             s.accepted_tokens += step.accepted
-            while len(s.drafts_per_position) < step.drafted:
-                s.drafts_per_position.append(0)
-                s.accepted_per_position.append(0)
-            for i in range(step.drafted):
-                s.drafts_per_position[i] += 1
-            for i in range(step.accepted):
-                s.accepted_per_position[i] += 1
+            tally_positions(s.drafts_per_position, s.accepted_per_position, step)
         return step
 
     def finish(self, stop_reason: str, tail_text: str = "", error: str | None = None) -> Summary:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from backends.base import Backend, BackendError, Request, Sampling, Step, Summary
+from backends.base import Backend, BackendError, Request, Sampling, Step, Summary, tally_positions
 
 
 @dataclass
@@ -101,13 +101,7 @@ class LiveStats:
         self.per_pass.append(len(step.token_ids))
         if step.drafted:
             self.speculative_passes += 1
-            while len(self.drafts_per_position) < step.drafted:
-                self.drafts_per_position.append(0)
-                self.accepted_per_position.append(0)
-            for i in range(step.drafted):
-                self.drafts_per_position[i] += 1
-            for i in range(step.accepted):
-                self.accepted_per_position[i] += 1
+            tally_positions(self.drafts_per_position, self.accepted_per_position, step)
 
     def finish(self, summary: Summary) -> None:
         self.summary = summary
