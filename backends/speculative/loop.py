@@ -10,6 +10,7 @@ its logits choose the tokens at positions N … N+k.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -82,12 +83,7 @@ class Target(Protocol):
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([list(a), list(b)]))
 
 
 def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], sampling: Sampling, depth: int,

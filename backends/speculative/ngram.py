@@ -5,6 +5,8 @@ tried first. Strong where the reply quotes its input: summaries, RAG answers, co
 """
 from __future__ import annotations
 
+import os
+
 from typing import Sequence
 
 
@@ -22,11 +24,7 @@ class NgramIndex:
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Bring the index in line with `tokens` (appending, or rebuilding after a rollback)."""
-        common = 0
-        for a, b in zip(self.tokens, tokens):
-            if a != b:
-                break
-            common += 1
+        common = len(os.path.commonprefix([self.tokens, list(tokens)]))
         if common < len(self.tokens):
             self.reset()
             common = 0

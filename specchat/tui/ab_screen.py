@@ -6,6 +6,7 @@ are aligned by token ids and judged with `specchat.compare`, the module behind `
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -358,12 +359,7 @@ class ABScreen(Screen):
         if text.startswith(prefix):
             return len(prefix)
         # the streamed text may differ in leading whitespace: fall back to the common prefix
-        n = 0
-        for a, b in zip(prefix, text):
-            if a != b:
-                break
-            n += 1
-        return n
+        return len(os.path.commonprefix([prefix, text]))
 
     def show_verdict(self) -> None:
         v = self.verdict
