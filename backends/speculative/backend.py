@@ -78,5 +78,24 @@ def make_drafter(profile, target: TorchBackend) -> Drafter:
             engine.close()
             raise
         return DraftModelDrafter(engine, want_q=spec.acceptance == "rejection")
+    if spec.method == "dflash":
+        return make_dflash_drafter(profile, target)
     raise BackendError(f"profile '{profile.name}': speculative method '{spec.method}' is not available yet "
-                       "in this version; use none, ngram or draft")
+                       "in this version; use none, ngram, draft or dflash")
+
+
+def make_dflash_drafter(profile, target: TorchBackend) -> Drafter:
+    from backends.speculative.dflash import DFlashDrafter, load_dflash
+    from specchat.models import fetch_hub, resolve_model
+
+    spec = profile.speculative
+    ref = resolve_model(spec.drafter, profile.base_dir)
+    if ref.kind == "gguf":
+        raise BackendError(f"profile '{profile.name}': drafter {ref.location} is a GGUF file; a DFlash drafter "
+                           "is a directory with config.json and safetensors")
+    model = load_dflash(fetch_hub(ref.location) if ref.kind == "hub" else ref.location, target.model.cfg)
+    most = model.cfg.block_size - 1
+    if spec.depth > most:
+        raise BackendError(f"profile '{profile.name}': depth {spec.depth} is more than this DFlash drafter "
+                           f"proposes per pass (block_size {model.cfg.block_size}); set speculative.depth <= {most}")
+    return DFlashDrafter(model, target, want_q=spec.acceptance == "rejection")

@@ -7,10 +7,12 @@ import pytest
 from backends.base import Request, Sampling, run_to_summary
 from backends.native.engine import TorchBackend
 from backends.speculative.backend import SpeculativeBackend
+from backends.speculative.dflash import DFlashDrafter, load_dflash
 from backends.speculative.drafters import DraftModelDrafter, NgramDrafter
 from specchat.compare import judge_tokens
 from specchat.verify import fresh, margin_function
 from tests.native.tiny import make_hf_checkpoint
+from tests.speculative.tiny_dflash import make_dflash_checkpoint
 
 PROMPTS = [[{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}],
            [{"role": "user", "content": "hello world, how are you today? Paris is the capital of France."}]]
@@ -32,10 +34,14 @@ def target(tiny_pair):
 
 
 @pytest.fixture(scope="session")
-def drafters(tiny_pair):
-    """name -> factory(acceptance) of drafters: n-gram, a different model, the target itself."""
+def drafters(tiny_pair, target, tmp_path_factory):
+    """name -> factory(acceptance) of drafters: n-gram, a different model, the target itself, a
+    random DFlash drafter for the target."""
     draft_engine, self_engine = engine(tiny_pair[1]), engine(tiny_pair[0])
+    dflash = load_dflash(make_dflash_checkpoint(tmp_path_factory.mktemp("dflash") / "d", tiny_pair[0], block_size=7),
+                         target.model.cfg)
     return {
+        "dflash": lambda acceptance: DFlashDrafter(dflash, target, want_q=acceptance == "rejection"),
         "ngram": lambda acceptance: NgramDrafter(1, 3),
         "draft": lambda acceptance: DraftModelDrafter(draft_engine, want_q=acceptance == "rejection"),
         "self": lambda acceptance: DraftModelDrafter(self_engine, want_q=acceptance == "rejection"),
