@@ -1,4 +1,4 @@
-"""`specchat train data|draft`: argparse wiring (added to the main parser by `add_train_parser`)."""
+"""`specchat train data|draft|dflash`: argparse wiring (added to the main parser by `add_train_parser`)."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +33,20 @@ def cmd_draft(args) -> int:
                       eval_every=args.eval_every, holdout=args.holdout, threads=args.threads,
                       stop_at=args.stop_at, freeze_embedding=args.freeze_embedding)
     train_draft(_profile(args.target), [Path(d) for d in args.data], Path(args.out), shape, cfg, say=_say)
+    return 0
+
+
+def cmd_dflash(args) -> int:
+    from specchat.cli import _profile
+    from specchat.train.dflash import DFlashShape, DFlashTrainConfig, train_dflash
+
+    shape = DFlashShape(layers=args.layers, ffn=args.ffn, block_size=args.block_size,
+                        target_layers=args.target_layers or [], mask_token_id=args.mask_token_id)
+    cfg = DFlashTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, anchors=args.anchors, gamma=args.gamma,
+                            lr=args.lr, seed=args.seed, ce_weight=args.ce_weight, kl_weight=args.kl_weight,
+                            checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
+                            holdout=args.holdout, threads=args.threads, stop_at=args.stop_at)
+    train_dflash(_profile(args.target), [Path(d) for d in args.data], Path(args.out), shape, cfg, say=_say)
     return 0
 
 
@@ -93,6 +107,33 @@ def add_train_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all physical cores)")
     p.add_argument("--stop-at", type=int, help=argparse.SUPPRESS)  # simulate an interruption (tests)
     p.set_defaults(func=cmd_draft)
+
+    p = tsub.add_parser("dflash", help="train a DFlash block drafter (uses the target's hidden states, embedding "
+                                       "and head) on `train data` output")
+    p.add_argument("--data", required=True, nargs="+", help="directories written by `specchat train data`")
+    p.add_argument("--target", default="smollm2", help="target profile (torch backend)")
+    p.add_argument("--out", required=True, help="output drafter directory (checkpoints go to OUT/.train)")
+    p.add_argument("--layers", type=int, default=1, help="draft layers (hidden size and heads are the target's)")
+    p.add_argument("--ffn", type=int, default=0, help="MLP size of the draft layers (default: the target's)")
+    p.add_argument("--block-size", type=int, default=8, help="block B: drafts up to B-1 tokens per pass (default 8)")
+    p.add_argument("--target-layers", type=int, nargs="+", metavar="I",
+                   help="target decoder layers whose outputs condition the drafter (default: the published rule)")
+    p.add_argument("--mask-token-id", type=int, help="token id of the block's masks (default: the tokenizer's mask "
+                                                     "token, else its highest added non-EOS token)")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch-tokens", type=int, default=2048, help="sample tokens per step (default 2048)")
+    p.add_argument("--anchors", type=int, default=16, help="blocks per reply and step (default 16)")
+    p.add_argument("--gamma", type=float, default=4.0, help="loss weight of block position k: exp(-(k-1)/gamma)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--ce-weight", type=float, default=1.0, help="weight of cross-entropy on the target's tokens")
+    p.add_argument("--kl-weight", type=float, default=0.0, help="weight of KL to the target's top-k distribution")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--holdout", type=float, default=0.05, help="share of samples held out for evaluation")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all physical cores)")
+    p.add_argument("--stop-at", type=int, help=argparse.SUPPRESS)  # simulate an interruption (tests)
+    p.set_defaults(func=cmd_dflash)
 
     p = tsub.add_parser("cost", help="measure per-token cost of drafter shapes next to the target's")
     p.add_argument("--target", default="smollm2")

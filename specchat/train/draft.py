@@ -238,17 +238,22 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def data_command(profile, data: list[Path], data_info: dict) -> list[str]:
+    """The `specchat train data` command that makes the training data again (none without its info.json)."""
+    if not data_info:
+        return []
+    gen = (f"specchat train data --target {profile.name} --prompts {' '.join(data_info['prompt_files'])} "
+           f"--out {data[0]} --max-tokens {data_info['max_tokens']} --top-k {data_info['top_k']}")
+    if data_info.get("temperature"):
+        gen += f" --temperature {data_info['temperature']} --seed {data_info['seed']}"
+    if data_info.get("instances"):
+        gen += " --instances"
+    return [gen]
+
+
 def retrain_command(profile, data: list[Path], out: Path, data_info: dict, shape: DraftShape, cfg: TrainConfig) -> str:
     """The one shell command that makes this drafter again from scratch: data, then training."""
-    parts = []
-    if data_info:
-        gen = (f"specchat train data --target {profile.name} --prompts {' '.join(data_info['prompt_files'])} "
-               f"--out {data[0]} --max-tokens {data_info['max_tokens']} --top-k {data_info['top_k']}")
-        if data_info.get("temperature"):
-            gen += f" --temperature {data_info['temperature']} --seed {data_info['seed']}"
-        if data_info.get("instances"):
-            gen += " --instances"
-        parts.append(gen)
+    parts = data_command(profile, data, data_info)
     parts.append(f"specchat train draft --data {data[0] if data_info else ' '.join(map(str, data))} --target {profile.name} --out {out} "
                  f"--layers {shape.layers} --hidden {shape.hidden} --heads {shape.heads} --kv-heads {shape.kv_heads} "
                  f"--ffn {shape.ffn} --steps {cfg.steps} --batch-tokens {cfg.batch_tokens} --lr {cfg.lr} "

@@ -1,0 +1,100 @@
+"""`specchat train data` then `specchat train dflash` end to end on a tiny target, through the CLI."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from backends.base import Request, Sampling, run_to_summary
+from backends.native.engine import TorchBackend
+from backends.speculative.backend import SpeculativeBackend
+from backends.speculative.dflash import DFlashDrafter, load_dflash
+from specchat.cli import main
+from tests.native.tiny import CORPUS, make_hf_checkpoint
+
+STEPS = 6
+
+
+def train(data: Path, out: Path, *extra) -> int:
+    return main(["train", "dflash", "--data", str(data), "--target", "tiny", "--out", str(out), "--layers", "1",
+                 "--ffn", "64", "--block-size", "4", "--target-layers", "0", "2", "--steps", str(STEPS),
+                 "--batch-tokens", "64", "--anchors", "4", "--checkpoint-every", "2", "--eval-every", "3",
+                 "--seed", "5", "--threads", "1", *extra])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target, its profile, its replies to a few prompts, one trained drafter."""
+    root = tmp_path_factory.mktemp("train-dflash")
+    target = make_hf_checkpoint(root / "target", "llama", seed=21)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in dict.fromkeys(CORPUS)))
+    profiles = root / "profiles"
+    profiles.mkdir()
+    (profiles / "tiny.yaml").write_text(f"backend: torch\nmodel: {target}\ndtype: float32\nthreads: 1\ncontext: 256\n")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECCHAT_PROFILES_DIR", str(profiles))
+    assert main(["train", "data", "--target", "tiny", "--prompts", str(prompts), "--out", str(root / "data"),
+                 "--max-tokens", "24", "--top-k", "8"]) == 0
+    assert train(root / "data", root / "dflash") == 0
+    mp.undo()
+    return target, profiles, root / "data", root / "dflash"
+
+
+@pytest.fixture
+def tiny_profile(setup, monkeypatch):
+    monkeypatch.setenv("SPECCHAT_PROFILES_DIR", str(setup[1]))
+
+
+def test_writes_the_released_layout_and_a_card(setup):
+    _, _, _, out = setup
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 3 and cfg["hidden_size"] == 64
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 2]
+    names = set(load_file(str(out / "model.safetensors")))
+    layer = {f"layers.0.self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+    layer |= {f"layers.0.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm", "mlp.gate_proj",
+                                                 "mlp.up_proj", "mlp.down_proj")}
+    assert names == {"fc.weight", "hidden_norm.weight", "norm.weight"} | layer
+    card = (out / "README.md").read_text()
+    assert "specchat train dflash" in card and "specchat train data" in card and "tokens per pass" in card
+    log = [json.loads(line) for line in (out / "train-log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, STEPS + 1)) and "eval_tokens_per_pass" in log[-1]
+
+
+def test_trained_drafter_runs_in_the_loop_with_parity(setup):
+    target = TorchBackend(setup[0], "hf_dir", precision="float32", threads=1, context=256)
+    drafter = DFlashDrafter(load_dflash(setup[3], target.model.cfg), target)
+    request = Request(messages=[{"role": "user", "content": CORPUS[0]}])
+    for sampling in (Sampling(max_tokens=30), Sampling(temperature=0.8, seed=2, max_tokens=30)):
+        target.truncate(0)
+        ref = run_to_summary(target.stream(request, sampling))
+        target.truncate(0)
+        out = run_to_summary(SpeculativeBackend(target, drafter, 3).stream(request, sampling))
+        assert out.token_ids == ref.token_ids and out.drafts > 0
+
+
+def test_training_is_deterministic_and_resumable(setup, tiny_profile, tmp_path, capsys):
+    _, _, data, reference = setup
+    out = tmp_path / "resumed"
+    assert train(data, out, "--stop-at", "3") == 0
+    assert not (out / "model.safetensors").exists()
+    assert train(data, out) == 0
+    assert "resuming from step 3" in capsys.readouterr().err
+    want, got = load_file(str(reference / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert want.keys() == got.keys()
+    for k in want:
+        assert (want[k] == got[k]).all(), k
+
+
+def test_changed_settings_and_bad_layers_are_one_line(setup, tiny_profile, tmp_path, capsys):
+    _, _, data, _ = setup
+    out = tmp_path / "o"
+    assert train(data, out, "--stop-at", "2") == 0
+    assert train(data, out, "--gamma", "2") == 2
+    assert train(data, tmp_path / "p", "--target-layers", "0", "3") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("specchat: error")]
+    assert len(err) == 2 and "other settings" in err[0] and "must lie in 0..2" in err[1]
