@@ -265,16 +265,13 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
     feats = target_features(engine, train_set + eval_set, keys, state_dir / "features.safetensors", say)
     train_feats, eval_feats = feats[:len(train_set)], feats[len(train_set):]
     embed, head = engine.model.embed.float(), engine.model.head.weight.float()  # frozen
-    final_norm = engine.model.norm.float()
     engine.close()
 
     torch.manual_seed(cfg.seed)
-    model = DFlashModel(dcfg).float()
-    for name, p in model.named_parameters():
+    model = DFlashModel(dcfg).float()  # norms start at 1
+    for p in model.parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
-    with torch.no_grad():  # start by reading the residual stream out the way the target's own head expects
-        model.norm.weight.copy_(final_norm)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, wall = 0, 0.0
     if resumed:

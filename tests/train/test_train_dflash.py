@@ -98,3 +98,32 @@ def test_changed_settings_and_bad_layers_are_one_line(setup, tiny_profile, tmp_p
     assert train(data, tmp_path / "p", "--target-layers", "0", "3") == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("specchat: error")]
     assert len(err) == 2 and "other settings" in err[0] and "must lie in 0..2" in err[1]
+
+
+def test_a_training_block_sees_what_the_drafter_sees_at_inference(setup):
+    """The packed, block-masked training forward gives each block the logits the drafter computes
+    in the loop for the same committed context (several samples and anchors in one batch)."""
+    import torch
+
+    from specchat.train.dflash import make_batch
+    from specchat.train.draft import load_examples
+
+    target = TorchBackend(setup[0], "hf_dir", precision="float32", threads=1, context=256)
+    model = load_dflash(setup[3], target.model.cfg)
+    drafter = DFlashDrafter(model, target)
+    examples = [e for e in load_examples([setup[2]]) if len(e.tokens) - e.prompt_len >= 6][:3]
+    feats = [torch.cat([target.forward(e.tokens.tolist(), 0, drafter.hidden_layers)[1][k]
+                        for k in drafter.hidden_layers], dim=-1) for e in examples]
+    anchors = [[e.prompt_len, len(e.tokens) - 3] for e in examples]
+    b = make_batch(examples, feats, anchors, model.cfg, gamma=4.0)
+    with torch.no_grad():
+        h = model(target.model.embed[b.x_ids], model.fuse(b.ctx), b.positions, {"full_attention": b.mask})
+        trained = drafter.logits(h).view(-1, 4, target.model.cfg.vocab_size)[:, 1:]
+    i = 0
+    for e, f, found in zip(examples, feats, anchors):
+        for a in found:
+            hidden = dict(zip(drafter.hidden_layers, f[:a].split(64, dim=-1)))
+            drafter.start(e.tokens[:a].tolist(), hidden, Sampling())
+            torch.testing.assert_close(drafter.draft_logits(e.tokens[:a + 1].tolist(), 3), trained[i],
+                                       atol=1e-4, rtol=1e-4)
+            i += 1
