@@ -121,12 +121,13 @@ def add_train_parser(sub) -> None:
     p.add_argument("--mask-token-id", type=int, help="token id of the block's masks (default: the tokenizer's mask "
                                                      "token, else its highest added non-EOS token)")
     p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-tokens", type=int, default=2048, help="sample tokens per step (default 2048)")
-    p.add_argument("--anchors", type=int, default=16, help="blocks per reply and step (default 16)")
+    p.add_argument("--batch-tokens", type=int, default=1024, help="sample tokens per step (default 1024)")
+    p.add_argument("--anchors", type=int, default=8, help="blocks per reply and step (default 8)")
     p.add_argument("--gamma", type=float, default=4.0, help="loss weight of block position k: exp(-(k-1)/gamma)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--ce-weight", type=float, default=1.0, help="weight of cross-entropy on the target's tokens")
-    p.add_argument("--kl-weight", type=float, default=0.0, help="weight of KL to the target's top-k distribution")
+    p.add_argument("--kl-weight", type=float, default=1.0,
+                   help="weight of KL to the target's top-k distribution (0: the published recipe, CE only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--holdout", type=float, default=0.05, help="share of samples held out for evaluation")
     p.add_argument("--checkpoint-every", type=int, default=100)

@@ -7,7 +7,8 @@
   at positions a .. a+B-1, and block position k learns the target's token at a+k.
 - Attention: a block sees the context features strictly before its anchor and its own whole block,
   never another block, so all the blocks of a batch go through the layers in one pass.
-- Loss: cross-entropy weighted w_k = exp(-(k-1)/gamma), optionally plus KL to the target's top-k.
+- Loss: cross-entropy weighted w_k = exp(-(k-1)/gamma), plus (by default) KL to the target's top-k
+  with the same weights.
 - The target's embedding and LM head are used as they are (frozen); fc, hidden_norm, the layers and
   norm train. Deterministic on CPU for a seed; resumable from OUT/.train/checkpoint.pt.
 - Output: the released layout (config.json, bfloat16 model.safetensors), a model card and the log.
@@ -45,13 +46,15 @@ class DFlashShape:
 @dataclass
 class DFlashTrainConfig:
     steps: int = 600
-    batch_tokens: int = 2048
-    anchors: int = 16  # blocks per sequence and step
+    batch_tokens: int = 1024
+    anchors: int = 8  # blocks per sequence and step
     gamma: float = 4.0  # position decay of the loss
-    lr: float = 1e-3
+    lr: float = 3e-3
     seed: int = 0
     ce_weight: float = 1.0
-    kl_weight: float = 0.0
+    # Not in the published recipe, which has far more data: on SmolLM2's 400 replies, KL to the
+    # target's top-k raised held-out agreement at block position 1 from 0.15 to 0.22 (600 steps).
+    kl_weight: float = 1.0
     checkpoint_every: int = 100
     eval_every: int = 100
     holdout: float = 0.05
