@@ -284,7 +284,8 @@ def load_dflash(path: Path, target_cfg: ModelConfig) -> DFlashModel:
                            f"{len(cfg.target_layer_ids)} target layers x hidden {cfg.layer.dim} = {fc_in}")
     for name, t in tensors.items():
         if t.shape != want[name].shape:
-            raise BackendError(f"{path}: {name} has shape {tuple(t.shape)}, the config implies {tuple(want[name].shape)}")
+            raise BackendError(f"{path}: {name} has shape {tuple(t.shape)}, the config implies "
+                               f"{tuple(want[name].shape)}")
     model.load_state_dict(tensors)
     return model
 

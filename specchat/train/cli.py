@@ -115,14 +115,14 @@ def add_train_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output drafter directory (checkpoints go to OUT/.train)")
     p.add_argument("--layers", type=int, default=1, help="draft layers (hidden size and heads are the target's)")
     p.add_argument("--ffn", type=int, default=0, help="MLP size of the draft layers (default: the target's)")
-    p.add_argument("--block-size", type=int, default=8, help="block B: drafts up to B-1 tokens per pass (default 8)")
+    p.add_argument("--block-size", type=int, default=4, help="block B: drafts up to B-1 tokens per pass (default 4)")
     p.add_argument("--target-layers", type=int, nargs="+", metavar="I",
                    help="target decoder layers whose outputs condition the drafter (default: the published rule)")
     p.add_argument("--mask-token-id", type=int, help="token id of the block's masks (default: the tokenizer's mask "
                                                      "token, else its highest added non-EOS token)")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch-tokens", type=int, default=1024, help="sample tokens per step (default 1024)")
-    p.add_argument("--anchors", type=int, default=8, help="blocks per reply and step (default 8)")
+    p.add_argument("--anchors", type=int, default=16, help="blocks per reply and step (default 16)")
     p.add_argument("--gamma", type=float, default=4.0, help="loss weight of block position k: exp(-(k-1)/gamma)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--ce-weight", type=float, default=1.0, help="weight of cross-entropy on the target's tokens")

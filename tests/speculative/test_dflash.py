@@ -87,7 +87,8 @@ def reference_logits(hf_target, ck, tokens: list[int]) -> torch.Tensor:
                 heads.append(torch.softmax(scores, dim=-1) @ v)
             x = x + torch.cat(heads, dim=-1) @ p("self_attn.o_proj").T
             h = rms(x, p("post_attention_layernorm"))
-            x = x + (torch.nn.functional.silu(h @ p("mlp.gate_proj").T) * (h @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
+            gate, up = torch.nn.functional.silu(h @ p("mlp.gate_proj").T), h @ p("mlp.up_proj").T
+            x = x + (gate * up) @ p("mlp.down_proj").T
         return rms(x, w["norm.weight"])[1:] @ hf_target.lm_head.weight.T
 
 

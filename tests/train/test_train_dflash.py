@@ -54,6 +54,8 @@ def test_writes_the_released_layout_and_a_card(setup):
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 3 and cfg["hidden_size"] == 64
     assert cfg["dflash_config"]["target_layer_ids"] == [0, 2]
+    # no mask token in the tokenizer: its highest added token that is not an end of reply (<|im_start|>)
+    assert cfg["dflash_config"]["mask_token_id"] == 1
     names = set(load_file(str(out / "model.safetensors")))
     layer = {f"layers.0.self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
     layer |= {f"layers.0.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm", "mlp.gate_proj",
