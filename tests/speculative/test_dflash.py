@@ -214,3 +214,21 @@ def test_strict_dflash_is_bitwise_target_only(tmp_path, tiny_pair, sampling):
         ref = run_to_summary(fresh(target).stream(Request(messages=messages), sampling))
         out = run_to_summary(fresh(spec).stream(Request(messages=messages), sampling))
         assert out.token_ids == ref.token_ids
+
+
+def test_rejection_acceptance_gets_the_distributions_drafts_were_sampled_from(tmp_path, qwen3_dir, qwen3):
+    from backends.native.sampling import probs
+
+    ck = make_dflash_checkpoint(tmp_path / "d", qwen3_dir, block_size=5)
+    drafter = DFlashDrafter(load_dflash(ck, qwen3.model.cfg), qwen3, want_q=True)
+    sampling = Sampling(temperature=0.9, top_k=20, seed=3, max_tokens=20)
+    tokens = prompt_ids(qwen3) + [77]
+    drafter.start(tokens[:-1], fresh(qwen3).forward(tokens[:-1], 0, drafter.hidden_layers)[1], sampling)
+    logits = drafter.draft_logits(tokens, 4)
+    drafter.start(tokens[:-1], fresh(qwen3).forward(tokens[:-1], 0, drafter.hidden_layers)[1], sampling)
+    draft = drafter.propose(tokens, 4)
+    assert len(draft.tokens) == 4 and torch.equal(draft.q, probs(logits, sampling))
+    assert all(draft.q[i, t] > 0 for i, t in enumerate(draft.tokens))
+    out = run_to_summary(SpeculativeBackend(fresh(qwen3), drafter, 4, acceptance="rejection")
+                         .stream(Request(messages=PROMPTS[1]), sampling))
+    assert out.stop_reason in ("eos", "max_tokens") and out.drafts > 0
