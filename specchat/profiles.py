@@ -47,6 +47,10 @@ class SpeculativeConfig(_Strict):
     # Verify with exactly the arithmetic of target-only decoding (row by row): true requires it,
     # false turns it off, auto (unset) uses it where the kernels make it possible.
     strict: Optional[bool] = None
+    # MTP: which target hidden state feeds the head (post_norm: after the final norm, as the
+    # reference implementations do; pre_norm: the last layer's output). Unset: what the head's
+    # config says, else post_norm.
+    mtp_hidden: Optional[Literal["post_norm", "pre_norm"]] = None
 
     @model_validator(mode="after")
     def _check(self):

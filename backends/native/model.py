@@ -93,6 +93,14 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     raise ValueError(f"rope scaling '{kind}' is not supported by the torch engine")
 
 
+def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and signed sin per position, [max_len, 1, head_dim], for `Block.forward`."""
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(cfg))
+    cos, sin = freqs.cos(), freqs.sin()
+    return (torch.cat([cos, cos], -1).to(device, dtype)[:, None, :],
+            torch.cat([-sin, sin], -1).to(device, dtype)[:, None, :])
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b) with W dense in the compute dtype, or group-wise int4 (bf16 activations)."""
 
@@ -211,10 +219,7 @@ class Transformer(nn.Module):
         # float32 on CPU even for bfloat16 weights: CPU attention is faster over a float32 cache
         cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.cache = KVCache(self.cfg, max_len, cache_dtype, self.device)
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(self.cfg))
-        cos, sin = freqs.cos(), freqs.sin()
-        self.rope_cos = torch.cat([cos, cos], -1).to(self.device, cache_dtype)[:, None, :]
-        self.rope_sin = torch.cat([-sin, sin], -1).to(self.device, cache_dtype)[:, None, :]
+        self.rope_cos, self.rope_sin = rope_tables(self.cfg, max_len, self.device, cache_dtype)
 
     @property
     def max_len(self) -> int:

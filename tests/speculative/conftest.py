@@ -10,7 +10,7 @@ from backends.speculative.backend import SpeculativeBackend
 from backends.speculative.drafters import DraftModelDrafter, NgramDrafter
 from specchat.compare import judge_tokens
 from specchat.verify import fresh, margin_function
-from tests.native.tiny import make_hf_checkpoint
+from tests.native.tiny import add_mtp_head, make_hf_checkpoint
 
 PROMPTS = [[{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}],
            [{"role": "user", "content": "hello world, how are you today? Paris is the capital of France."}]]
@@ -19,7 +19,9 @@ PROMPTS = [[{"role": "user", "content": "the quick brown fox jumps over the lazy
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
-    return make_hf_checkpoint(root / "target", "llama", seed=11), make_hf_checkpoint(root / "draft", "llama", seed=12)
+    target = make_hf_checkpoint(root / "target", "llama", seed=11)
+    add_mtp_head(target, "deepseek", seed=13)  # a built-in (random) MTP head; the main model ignores it
+    return target, make_hf_checkpoint(root / "draft", "llama", seed=12)
 
 
 def engine(path, precision="float32") -> TorchBackend:
@@ -31,11 +33,22 @@ def target(tiny_pair):
     return engine(tiny_pair[0])
 
 
+def mtp_drafter(target, path, acceptance="exact", hidden_source="post_norm"):
+    from backends.native.mtp import MtpHead, read_mtp
+    from backends.speculative.mtp import MtpDrafter
+
+    head = MtpHead(read_mtp(path, target.model.cfg), target.model, target.context_length)
+    return MtpDrafter(head, target.eos_ids, hidden_source, want_q=acceptance == "rejection")
+
+
 @pytest.fixture(scope="session")
-def drafters(tiny_pair):
-    """name -> factory(acceptance) of drafters: n-gram, a different model, the target itself."""
+def drafters(tiny_pair, target):
+    """name -> factory(acceptance) of drafters: n-gram, a different model, the target itself, the
+    target's MTP head (fed the final or the pre-norm hidden state)."""
     draft_engine, self_engine = engine(tiny_pair[1]), engine(tiny_pair[0])
     return {
+        "mtp": lambda acceptance: mtp_drafter(target, tiny_pair[0], acceptance),
+        "mtp-prenorm": lambda acceptance: mtp_drafter(target, tiny_pair[0], acceptance, "pre_norm"),
         "ngram": lambda acceptance: NgramDrafter(1, 3),
         "draft": lambda acceptance: DraftModelDrafter(draft_engine, want_q=acceptance == "rejection"),
         "self": lambda acceptance: DraftModelDrafter(self_engine, want_q=acceptance == "rejection"),
