@@ -165,6 +165,33 @@ def cmd_bench(args) -> int:
     return EXIT_OK
 
 
+# -------------------------------------------------------------------------------- ladder
+
+def cmd_ladder(args) -> int:
+    from rich.console import Console
+
+    from specchat import ladder
+    from specchat.prompts import load_prompts
+
+    depths = ladder.parse_depths(args.depths)
+    profile = _overridden(_profile(args.profile), args)
+    ladder.check(profile)
+    prompts = load_prompts(args.prompts, args.limit, args.category) if args.prompts else _default_prompts()
+    console = Console(stderr=True)
+    console.print(f"[bold]{profile.name}[/bold]: loading…")
+    result = ladder.run_ladder(profile, depths, prompts, on_run=lambda label, r: console.print(
+        f"  {label} · {r.prompt.id} {r.summary.tokens} tok {r.summary.decode_tok_s:.1f} tok/s"
+        + (f" · {r.summary.mean_accepted:.2f}/pass" if r.summary.drafts else ""), highlight=False))
+    if args.plot:
+        ladder.write_plot(result, args.plot)
+        console.print(f"chart written to {args.plot}")
+    if args.json:
+        print(json.dumps(ladder.to_json(result)))
+    else:
+        Console().print(ladder.render(result))
+    return EXIT_OK
+
+
 def _default_prompts():
     from specchat.prompts import PromptItem
 
@@ -282,6 +309,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add a transformers `generate` reference row in this dtype (repeatable)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("ladder", help="one speculative profile at every draft depth: acceptance, speed-up, plateau")
+    p.add_argument("-p", "--profile", required=True, help="a speculative profile (e.g. smollm2-mtp)")
+    p.add_argument("--depths", default="1-6", help="draft depths: a range like 1-6 or a list like 1,2,4 (default 1-6)")
+    p.add_argument("--prompts", help="prompt file (Spec-Bench question.jsonl, jsonl or text)")
+    p.add_argument("--limit", type=int, help="at most N prompts, spread over the subtasks")
+    p.add_argument("--category", action="append", help="only these categories / subtasks")
+    p.add_argument("--plot", metavar="FILE", help="also write the chart as FILE.svg (or .png with matplotlib)")
+    p.add_argument("--json", action="store_true")
+    _add_sampling_flags(p)
+    p.set_defaults(func=cmd_ladder)
 
     p = sub.add_parser("verify", help="check that speculative output equals target-only output, token for token")
     p.add_argument("-p", "--profile", required=True, help="the speculative profile")
