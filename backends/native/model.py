@@ -52,7 +52,7 @@ class ModelConfig:
             rope_theta=_rope_theta(c), rope_scaling=_rope_scaling(c),
             max_position=c.get("max_position_embeddings", 4096),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=bool(c.get("attention_bias", arch == "qwen2")),
+            qkv_bias=bool(c.get("attention_bias", arch in ("qwen2", "mimo"))),
             qk_norm=arch.startswith("qwen3"), arch=arch)
 
 
