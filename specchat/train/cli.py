@@ -41,7 +41,8 @@ def cmd_mtp(args) -> int:
     from specchat.train.mtp import MtpTrainConfig, train_mtp
 
     cfg = MtpTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
-                         kl_weight=args.kl_weight, ce_weight=args.ce_weight, top_k=args.top_k,
+                         kl_weight=args.kl_weight, ce_weight=args.ce_weight, depth2_weight=args.depth2_weight,
+                         top_k=args.top_k,
                          draft_vocab=args.draft_vocab, hidden_source=args.hidden_source,
                          checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, holdout=args.holdout,
                          threads=args.threads, stop_at=args.stop_at)
@@ -121,6 +122,8 @@ def add_train_parser(sub) -> None:
                    help="target state fed to the head: after the final norm (default) or the last layer's output")
     p.add_argument("--kl-weight", type=float, default=1.0)
     p.add_argument("--ce-weight", type=float, default=0.5)
+    p.add_argument("--depth2-weight", type=float, default=0.5,
+                   help="weight of the second drafting step's loss (the head fed its own output); 0: off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--holdout", type=float, default=0.05)
     p.add_argument("--checkpoint-every", type=int, default=100)

@@ -43,6 +43,7 @@ class MtpTrainConfig:
     seed: int = 0
     kl_weight: float = 1.0
     ce_weight: float = 0.5
+    depth2_weight: float = 0.5  # also train the second drafting step (the head fed its own output); 0: off
     top_k: int = 32
     draft_vocab: int = 8192  # 0: the whole vocabulary
     hidden_source: str = "post_norm"
@@ -129,29 +130,55 @@ class MtpTrainHead(nn.Module):
         self.norm = p(final_norm)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
-    def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
-        """hidden, next_embed [B, T, D] -> g [B, T, D]; entry t attends to entries 0..t."""
+    def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor,
+                deeper_embed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden, next_embed [B, T, D] -> g [B, T, D]; entry t attends to entries 0..t.
+
+        With deeper_embed [B, T-1, D] (the embeddings of x[t+2]) also the second drafting step:
+        the head's own g[t] fed back with x[t+2] at entry t+1, attending to the real entries 0..t
+        and itself, exactly as when drafting at depth 2. Returns (g, g2 [B, T-1, D] or None)."""
+        B, T, _ = hidden.shape
+        u = self._project(hidden, next_embed)
+        q, k, v = self._qkv(u, torch.arange(T))
+        g = self._finish(u, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]))
+        if deeper_embed is None:
+            return g, None
+        u2 = self._project(g[:, :-1], deeper_embed)
+        q2, k2, v2 = self._qkv(u2, torch.arange(1, T))
+        real = torch.arange(T)[None, :] <= torch.arange(T - 1)[:, None]  # entry t+1 sees real entries 0..t
+        own = torch.eye(T - 1, dtype=torch.bool)  # ... and itself
+        a2 = F.scaled_dot_product_attention(q2, torch.cat([k, k2], 2), torch.cat([v, v2], 2),
+                                            attn_mask=torch.cat([real, own], 1), enable_gqa=q.shape[1] != k.shape[1])
+        return g, self._finish(u2, a2)
+
+    def _project(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
+        eps = self.cfg.norm_eps
+        return torch.cat([rms(next_embed, self.enorm, eps), rms(hidden, self.hnorm, eps)], -1) @ self.eh_proj.T
+
+    def _qkv(self, u: torch.Tensor, positions: torch.Tensor):
         c, L = self.cfg, self.layer
-        B, T, D = hidden.shape
-        H, Hkv, hd, eps = c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps
-        u = torch.cat([rms(next_embed, self.enorm, eps), rms(hidden, self.hnorm, eps)], -1) @ self.eh_proj.T
-        h = rms(u, L["attn_norm"], eps)
-        q = (h @ L["q"].T).view(B, T, H, hd)
-        k = (h @ L["k"].T).view(B, T, Hkv, hd)
-        v = (h @ L["v"].T).view(B, T, Hkv, hd).transpose(1, 2)
-        freqs = torch.outer(torch.arange(T, dtype=torch.float32), self.inv_freq)
+        B, T, _ = u.shape
+        h = rms(u, L["attn_norm"], c.norm_eps)
+        q = (h @ L["q"].T).view(B, T, c.n_heads, c.head_dim)
+        k = (h @ L["k"].T).view(B, T, c.n_kv_heads, c.head_dim)
+        v = (h @ L["v"].T).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        freqs = torch.outer(positions.float(), self.inv_freq)
         cos, sin = torch.cat([freqs.cos()] * 2, -1)[:, None], torch.cat([freqs.sin()] * 2, -1)[:, None]
 
         def rope(x):
             x1, x2 = x.chunk(2, dim=-1)
             return x * cos + torch.cat([-x2, x1], -1) * sin
 
-        q, k = rope(q).transpose(1, 2), rope(k).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
-        u = u + a.transpose(1, 2).reshape(B, T, H * hd) @ L["o"].T
-        h = rms(u, L["mlp_norm"], eps)
+        return rope(q).transpose(1, 2), rope(k).transpose(1, 2), v
+
+    def _finish(self, u: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Attention output a [B, H, T, hd] -> the rest of the layer and the final norm."""
+        c, L = self.cfg, self.layer
+        B, _, T, _ = a.shape
+        u = u + a.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim) @ L["o"].T
+        h = rms(u, L["mlp_norm"], c.norm_eps)
         u = u + (F.silu(h @ L["gate"].T) * (h @ L["up"].T)) @ L["down"].T
-        return rms(u, self.norm, eps)
+        return rms(u, self.norm, c.norm_eps)
 
     def state_for_export(self, n_layers: int) -> dict[str, torch.Tensor]:
         """Tensors in the DeepSeek-V3 MTP layout for a target of `n_layers` layers."""
@@ -189,20 +216,31 @@ def collate(seqs: list[Entries], embed: torch.Tensor, to_sub: torch.Tensor):
     return hidden, embed[nxt], mask, ids, logp
 
 
-def losses(model: MtpTrainHead, head_w: torch.Tensor, batch, cfg: MtpTrainConfig):
-    hidden, nxt, mask, ids, logp = batch
-    g = model(hidden, nxt)[mask]
+def _kl_ce_agree(g, head_w, ids, logp):
     logq = torch.log_softmax(g @ head_w.T, dim=-1)  # over the draft vocabulary
-    ids, logp = ids[mask], logp[mask]
     valid = ids >= 0
     p = torch.softmax(logp.masked_fill(~valid, float("-inf")), dim=-1)
     has = valid.any(-1)  # entries whose target top-k meets the draft vocabulary at all
     lq = logq.gather(1, ids.clamp_min(0))
     kl = torch.where(valid, p * (torch.log(p.clamp_min(1e-12)) - lq), 0.0).sum(-1)[has].mean()
-    top_ok = valid[:, 0]
-    ce = -lq[:, 0][top_ok].mean()
+    ce = -lq[:, 0][valid[:, 0]].mean()
     agree = (logq.argmax(-1) == ids[:, 0]).float().mean()  # top-1 equals the target's (greedy acceptance)
-    return cfg.kl_weight * kl + cfg.ce_weight * ce, kl, ce, agree
+    return kl, ce, agree
+
+
+def losses(model: MtpTrainHead, head_w: torch.Tensor, batch, cfg: MtpTrainConfig):
+    """(loss, kl, ce, agreement at depth 1, agreement at depth 2 or None)."""
+    hidden, nxt, mask, ids, logp = batch
+    deeper = nxt[:, 1:] if cfg.depth2_weight else None
+    g, g2 = model(hidden, nxt, deeper)
+    kl, ce, agree = _kl_ce_agree(g[mask], head_w, ids[mask], logp[mask])
+    loss = cfg.kl_weight * kl + cfg.ce_weight * ce
+    agree2 = None
+    if g2 is not None:
+        m2 = mask[:, 1:]  # entry t at depth 2 is labelled like entry t+1 at depth 1
+        kl2, ce2, agree2 = _kl_ce_agree(g2[m2], head_w, ids[:, 1:][m2], logp[:, 1:][m2])
+        loss = loss + cfg.depth2_weight * (cfg.kl_weight * kl2 + cfg.ce_weight * ce2)
+    return loss, kl, ce, agree, agree2
 
 
 @torch.no_grad()
@@ -210,13 +248,13 @@ def evaluate(model, head_w, seqs, embed, to_sub, cfg) -> dict:
     if not seqs:
         return {}
     model.eval()
-    tot, n = {"kl": 0.0, "ce": 0.0, "agree": 0.0}, 0
+    tot, n = {"kl": 0.0, "ce": 0.0, "agree": 0.0, "agree2": 0.0}, 0
     for i in range(0, len(seqs), 8):
         b = collate(seqs[i:i + 8], embed, to_sub)
         k = int(b[2].sum())
-        _, kl, ce, agree = losses(model, head_w, b, cfg)
-        for name, v in (("kl", kl), ("ce", ce), ("agree", agree)):
-            tot[name] += float(v) * k
+        _, kl, ce, agree, agree2 = losses(model, head_w, b, cfg)
+        for name, v in (("kl", kl), ("ce", ce), ("agree", agree), ("agree2", agree2)):
+            tot[name] += float(v if v is not None else float("nan")) * k
         n += k
     model.train()
     return {f"eval_{k}": v / n for k, v in tot.items()} | {"eval_entries": n}
@@ -308,8 +346,8 @@ def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=pri
         while step < cfg.steps:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
-            loss, kl, ce, agree = losses(model, head_w, collate([train_seqs[i] for i in plan[step]], embed, to_sub),
-                                         cfg)
+            loss, kl, ce, agree, _ = losses(model, head_w, collate([train_seqs[i] for i in plan[step]], embed,
+                                                                   to_sub), cfg)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -368,7 +406,7 @@ def retrain_command(profile, data: list[Path], out: Path, info: dict, cfg: MtpTr
     parts.append(f"specchat train mtp --data {' '.join(map(str, data))} --target {profile.name} --out {out} "
                  f"--steps {cfg.steps} --batch-tokens {cfg.batch_tokens} --lr {cfg.lr} --top-k {cfg.top_k} "
                  f"--draft-vocab {cfg.draft_vocab} --hidden-source {cfg.hidden_source} --kl-weight {cfg.kl_weight} "
-                 f"--ce-weight {cfg.ce_weight} --holdout {cfg.holdout} --seed {cfg.seed}")
+                 f"--ce-weight {cfg.ce_weight} --depth2-weight {cfg.depth2_weight} --holdout {cfg.holdout} --seed {cfg.seed}")
     return " && \\\n  ".join(parts)
 
 
@@ -389,12 +427,12 @@ own embedding and LM head. Trained by `specchat train mtp` on the target's own s
 | draft vocabulary | {n_vocab} tokens (the target's most frequent choices), covering {coverage:.1%} of its held-out choices |
 | data | {n_train} training + {n_eval} held-out sequences (prompt + the target's reply) to prompts from {prompts} (self-instruct, Apache-2.0); greedy={info.get('temperature', 0) == 0}, max {info.get('max_tokens', '?')} reply tokens |
 | labels | the target's distribution for token t+2 (top-{cfg.top_k}), from the same teacher-forced pass that gives the hidden states |
-| loss | {cfg.kl_weight} x KL(target top-k || head) + {cfg.ce_weight} x CE on the target's choice |
+| loss | {cfg.kl_weight} x KL(target top-k || head) + {cfg.ce_weight} x CE on the target's choice, at depth 1 and (weight {cfg.depth2_weight}) at depth 2, where the head is fed its own output as when drafting |
 | optimiser | AdamW (0.9, 0.95), lr {cfg.lr} warmup {cfg.warmup:.0%} then cosine to 10%, grad-clip 1.0, ~{cfg.batch_tokens} entries/step |
 | steps | {rec.get('step', cfg.steps)} |
 | seed | {cfg.seed} (deterministic on CPU) |
 | training wall time | {wall:.0f} s on {platform.machine()} CPU, {torch.get_num_threads()} thread(s) (data and target states not included) |
-| held-out (teacher-forced) | top-1 agreement with the target {rec.get('eval_agree', float('nan')):.3f} (the expected first-position acceptance under greedy decoding), KL {rec.get('eval_kl', float('nan')):.3f} |
+| held-out (teacher-forced) | top-1 agreement with the target {rec.get('eval_agree', float('nan')):.3f} at depth 1 (the expected first-position acceptance under greedy decoding), {rec.get('eval_agree2', float('nan')):.3f} at depth 2; KL {rec.get('eval_kl', float('nan')):.3f} |
 
 Spec-Bench was never used for training; it is evaluation only.
 

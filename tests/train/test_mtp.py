@@ -93,9 +93,15 @@ def test_training_head_computes_what_the_engine_head_computes(tiny, mtp_trained)
     hidden = torch.randn(7, cfg.dim)
     nxt = torch.randint(0, cfg.vocab_size, (7,))
     want = head.forward(hidden, nxt, 0)
+    emb = target.model.embed
     with torch.no_grad():
-        got = model(hidden[None], target.model.embed[nxt][None])[0]
-    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+        got, got2 = model(hidden[None], emb[nxt][None], emb[nxt[1:]][None])
+    assert torch.allclose(got[0], want, atol=1e-4), (got[0] - want).abs().max()
+    # depth 2, as drafting does it: after the real entries 0..t, the head's own g[t] with x[t+2] at entry t+1
+    for t in (0, 3, 5):
+        head.forward(hidden[:t + 1], nxt[:t + 1], 0)
+        want2 = head.forward(want[t:t + 1], nxt[t + 1:t + 2], t + 1)
+        assert torch.allclose(got2[0, t], want2[0], atol=1e-4), (t, (got2[0, t] - want2[0]).abs().max())
 
 
 def test_training_is_deterministic_and_resumable(tiny, mtp_trained, profile, tmp_path, capsys):  # noqa: F811
