@@ -80,13 +80,15 @@ def compute_features(profile, examples, cfg: MtpTrainConfig, cache: Path, say=pr
                 for i, e in enumerate(examples)]
     engine = TorchBackend.from_profile(profile.model_copy(update={"context": max(len(e.tokens) for e in examples) + 1}))
     layer = FINAL if cfg.hidden_source == "post_norm" else engine.model.cfg.n_layers - 1
+    head = engine.model.head.weight if engine.model.head.weight is not None else engine.model.embed
     out, tensors = [], {}
     started = time.perf_counter()
     try:
         with bar("target states", len(examples)) as update:
             for i, e in enumerate(examples):
-                logits, hidden = engine.forward(e.tokens.tolist(), 0, (layer,))
-                logp = torch.log_softmax(logits[1:].float(), dim=-1)
+                _, hidden = engine.forward(e.tokens.tolist(), 0, (layer, FINAL), all_logits=False)
+                logits = F.linear(hidden[FINAL][1:].to(head.dtype), head)  # one GEMM for every row
+                logp = torch.log_softmax(logits.float(), dim=-1)
                 v, ids = logp.topk(cfg.top_k, dim=-1)
                 s = Entries(e.tokens, hidden[layer][:-1].to(torch.float16), ids, v.to(torch.float16))
                 out.append(s)
