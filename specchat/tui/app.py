@@ -23,7 +23,7 @@ ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 
 def profile_line(p: Profile) -> str:
-    method = "target-only" if p.method == "none" else f"{p.method} (depth {p.speculative.depth})"
+    method = p.method_label if p.remote else "target-only" if p.method == "none" else f"{p.method} (depth {p.speculative.depth})"
     return f"{method} · {p.backend} · {p.model}"
 
 
