@@ -67,6 +67,7 @@ class ServerConfig(_Strict):
     timeout_s: float = Field(60.0, gt=0)  # for connecting, and for the server to send the next chunk
     metrics: Literal["auto", "vllm", "sglang", "llama-server", "none"] = "auto"
     logprobs: bool = True  # ask for per-token logprobs (token ids where the server gives them)
+    stream: bool = True  # false: whole replies (SGLang reports its verify count only on those)
     speculation: Optional[str] = None  # what the server runs, for display, e.g. "dflash, 15 tokens"
 
     @field_validator("base_url")

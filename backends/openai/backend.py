@@ -10,6 +10,7 @@ reports none, the summary says so instead of showing zeros.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Iterator, Optional, Sequence
@@ -40,12 +41,13 @@ class OpenAIBackend(Backend):
 
     def __init__(self, base_url: str, model: str, *, api_key: Optional[str] = None,
                  api_key_env: Optional[str] = None, timeout_s: float = 60.0, metrics: str = "auto",
-                 logprobs: bool = True, context: int = 4096, where: Optional[str] = None):
+                 logprobs: bool = True, stream: bool = True, context: int = 4096, where: Optional[str] = None):
         if metrics not in METRICS:
             raise BackendError(f"server.metrics must be one of {', '.join(METRICS)}, got {metrics!r}")
         self.model = model
         self.metrics = metrics
         self.logprobs = logprobs
+        self.streamed = stream  # False: whole replies (SGLang's per-request meta_info comes only then)
         self.where = where or f"server {base_url}"
         self.conn = ServerConnection(base_url, api_key=api_key, api_key_env=api_key_env, timeout_s=timeout_s,
                                      where=self.where)
@@ -59,7 +61,7 @@ class OpenAIBackend(Backend):
         where = f"profile '{profile.name}'"
         backend = cls(server.base_url, profile.model, api_key=api_key_from_env(server.api_key_env, where),
                       api_key_env=server.api_key_env, timeout_s=server.timeout_s, metrics=server.metrics,
-                      logprobs=server.logprobs, context=profile.context, where=where)
+                      logprobs=server.logprobs, stream=server.stream, context=profile.context, where=where)
         try:
             backend.check_server()
         except BaseException:
@@ -134,20 +136,21 @@ class OpenAIBackend(Backend):
     # ---------------------------------------------------------------- streaming
     def request_body(self, messages: Sequence[dict], sampling: Sampling) -> dict:
         body = {
-            "model": self.model, "messages": list(messages), "stream": True,
-            "stream_options": {"include_usage": True},
+            "model": self.model, "messages": list(messages), "stream": self.streamed,
             "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
             "seed": sampling.seed,
             # Neutral values for knobs some servers default otherwise (llama-cpp-python: min_p 0.05,
             # repeat_penalty 1.1), so a reply matches a local engine with the same settings.
             "min_p": 0.0, "repeat_penalty": 1.0, "repetition_penalty": 1.0,
         }
+        if self.streamed:
+            body["stream_options"] = {"include_usage": True}
         if sampling.top_k > 0:
             body["top_k"] = sampling.top_k
         if self.logprobs:
-            body.update(logprobs=True, top_logprobs=0)
-            if self.metrics in ("auto", "vllm"):
-                body.update(return_tokens_as_token_ids=True, return_token_ids=True)
+            # Token ids: llama-server puts them in the logprobs; vLLM does when asked (other servers
+            # ignore fields they don't know).
+            body.update(logprobs=True, top_logprobs=0, return_tokens_as_token_ids=True, return_token_ids=True)
         if self.metrics in ("auto", "sglang"):
             body["return_meta_info"] = True
         return body
@@ -169,7 +172,7 @@ class OpenAIBackend(Backend):
         if cancel is not None and cancel.is_set():
             reason = STOP_CANCELLED
         else:
-            with self.conn.events("/chat/completions", body, cancel, model=self.model) as payloads:
+            with self._replies(body, cancel) as payloads:
                 for data in payloads:
                     chunk = parse_chunk(data)
                     if chunk.error:
@@ -203,6 +206,15 @@ class OpenAIBackend(Backend):
         else:
             summary.spec_reported = False
         yield summary
+
+    @contextlib.contextmanager
+    def _replies(self, body: dict, cancel: Optional[threading.Event]) -> Iterator[Iterator[dict]]:
+        """The server's answer as a sequence of chunks: the streamed events, or the one whole reply."""
+        if self.streamed:
+            with self.conn.events("/chat/completions", body, cancel, model=self.model) as payloads:
+                yield payloads
+        else:
+            yield iter([self.conn.post_json("/chat/completions", body, model=self.model)])
 
     # ------------------------------------------------------------------ metrics
     def _vllm_counters(self) -> Optional[VllmCounters]:

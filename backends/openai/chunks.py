@@ -52,6 +52,16 @@ def _logprob_tokens(choice: dict) -> Optional[list]:
     return [{"token": t} for t in tokens] if isinstance(tokens, list) else None
 
 
+def _entry_id(entry) -> Optional[int]:
+    """A logprobs entry's token id: llama-server writes it as "id", vLLM (asked to) as "token_id:N"."""
+    if not isinstance(entry, dict):
+        return None
+    if isinstance(entry.get("id"), int):
+        return entry["id"]
+    m = _TOKEN_ID.match(str(entry.get("token", "")))
+    return int(m.group(1)) if m else None
+
+
 def parse_chunk(data: dict) -> Chunk:
     chunk = Chunk(usage=data.get("usage") if isinstance(data.get("usage"), dict) else None,
                   timings=data.get("timings") if isinstance(data.get("timings"), dict) else None,
@@ -72,10 +82,10 @@ def parse_chunk(data: dict) -> Chunk:
     entries = _logprob_tokens(choice)
     if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
         chunk.token_ids = list(ids)
-    elif entries is not None:
-        matches = [_TOKEN_ID.match(str(e.get("token", ""))) if isinstance(e, dict) else None for e in entries]
-        if entries and all(matches):
-            chunk.token_ids = [int(m.group(1)) for m in matches]
+    elif entries:
+        ids = [_entry_id(e) for e in entries]
+        if all(i is not None for i in ids):
+            chunk.token_ids = ids
     if chunk.token_ids is not None:
         chunk.token_count = len(chunk.token_ids)
     elif entries is not None:

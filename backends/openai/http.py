@@ -110,8 +110,9 @@ class ServerConnection:
             raise self.status_error(response, model)
         return response
 
-    def post_json(self, path: str, body: dict, *, root: bool = False, ok_404: bool = False) -> Optional[dict]:
-        response = self.request("POST", path, root=root, body=body, ok_404=ok_404)
+    def post_json(self, path: str, body: dict, *, root: bool = False, ok_404: bool = False,
+                  model: Optional[str] = None) -> Optional[dict]:
+        response = self.request("POST", path, root=root, body=body, ok_404=ok_404, model=model)
         return None if response is None else _json(response, self.where)
 
     @contextlib.contextmanager
