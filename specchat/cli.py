@@ -119,7 +119,8 @@ def cmd_profiles(args) -> int:
         print(json.dumps({"profiles": {n: p.model_dump() for n, p in ps.profiles.items()}, "errors": ps.errors}))
         return EXIT_OK
     table = Table(title="profiles")
-    for col in ("name", "backend", "method", "model", "description"):
+    table.add_column("name", no_wrap=True)
+    for col in ("backend", "method", "model", "description"):
         table.add_column(col)
     for name, p in sorted(ps.profiles.items()):
         method = p.method_label if p.remote else p.method if p.method == "none" else f"{p.method} (depth {p.speculative.depth})"
