@@ -75,9 +75,7 @@ class OpenAIBackend(Backend):
     # ---------------------------------------------------------------- the server
     def check_server(self) -> None:
         """Reach the server once at load: a wrong port, key or model name shows up now, as one line."""
-        response = self.conn.request("GET", "/models", model=self.model, ok_404=True)
-        if response is None:
-            return  # a server without a model list: the first reply will tell
+        response = self.conn.request("GET", "/models", model=self.model)  # every such server lists its models
         try:
             listed = [m for m in response.json().get("data", []) if isinstance(m, dict)]
         except (ValueError, AttributeError):

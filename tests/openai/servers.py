@@ -37,7 +37,7 @@ class LlamaCppServer:
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.log = log_dir / f"server-{self.port}.log"
         cmd = [sys.executable, str(ROOT / "scripts" / "llamacpp_server.py"), "--model", str(gguf),
-               "--port", str(self.port), "--n-ctx", "2048", "--threads", "2"]
+               "--port", str(self.port), "--n-ctx", "2048", "--threads", "1"]  # spinning worker threads crawl on a busy 2-core machine
         if api_key_env:
             cmd += ["--api-key-env", api_key_env]
         with open(self.log, "w") as log:
