@@ -152,7 +152,7 @@ class Profile(_Strict):
         """The same profile with speculation off: the reference a speculative run is checked against."""
         if self.remote:
             raise ProfileError(
-                f"profile '{self.name}' speculates on its server, which specchat cannot switch off: name a "
+                f"profile '{self.name}' runs on a server, whose speculation specchat cannot switch off: name a "
                 "reference profile (-r), e.g. the same model served without speculation, or a local one")
         return self.model_copy(update={
             "name": f"{self.name}:target-only",
