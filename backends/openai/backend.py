@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from typing import Iterator, Optional, Sequence
 
 from backends.base import (STOP_CANCELLED, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendError, Event, Request,
@@ -23,6 +24,8 @@ from backends.openai.metrics import (SpecFigures, VllmCounters, llama_server_fig
                                      vllm_counters, vllm_figures)
 
 METRICS = ("auto", "vllm", "sglang", "llama-server", "none")
+# vLLM updates its counters just after it sends a step's tokens: give the last step time to count.
+VLLM_SETTLE_S = 0.05
 FINISH = {"stop": STOP_EOS, "eos": STOP_EOS, "length": STOP_MAX_TOKENS}
 
 
@@ -164,7 +167,7 @@ class OpenAIBackend(Backend):
     def _events(self, body: dict, cancel: Optional[threading.Event]) -> Iterator[Event]:
         before = self._vllm_counters()
         stats = StreamStats()
-        reason, every_id = STOP_MAX_TOKENS, True
+        reason, every_id, finished = STOP_MAX_TOKENS, True, False
         usage = timings = meta_info = None
         counted = 0  # tokens that came with a count from logprobs or ids
         if cancel is not None and cancel.is_set():
@@ -179,6 +182,7 @@ class OpenAIBackend(Backend):
                     timings = chunk.timings or timings
                     meta_info = chunk.meta_info or meta_info
                     if chunk.finish_reason:
+                        finished = True
                         reason = FINISH.get(chunk.finish_reason, STOP_MAX_TOKENS)
                     if chunk.token_ids is None and (chunk.text or chunk.token_count):
                         every_id = False
@@ -189,6 +193,12 @@ class OpenAIBackend(Backend):
                                              token_count=None if chunk.token_ids is not None else n))
                     if cancel is not None and cancel.is_set():
                         break
+                cancelled = cancel is not None and cancel.is_set()
+                if not (cancelled or finished or getattr(payloads, "done", True)):
+                    self.conn.reset()
+                    raise BackendError(
+                        f"{self.where}: the server ended the reply without finishing it (after {stats.summary.tokens} "
+                        "tokens): its log says why (a prompt longer than its context, for one)")
             if cancel is not None and cancel.is_set():
                 reason = STOP_CANCELLED
         summary = stats.finish(reason)
@@ -237,6 +247,7 @@ class OpenAIBackend(Backend):
             if figures is not None:
                 return figures
         if before is not None:
+            time.sleep(VLLM_SETTLE_S)
             after = self._vllm_counters()
             if after is not None:
                 return vllm_figures(before, after)

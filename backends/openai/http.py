@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
@@ -44,9 +45,18 @@ class ServerConnection:
         self.api_key_env = api_key_env
         self.has_key = bool(api_key)
         self.timeout_s = timeout_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(
-            timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S)))
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = self._new_client()
+
+    def _new_client(self) -> httpx.Client:
+        return httpx.Client(headers=self._headers, timeout=httpx.Timeout(
+            self.timeout_s, connect=min(self.timeout_s, CONNECT_TIMEOUT_S)))
+
+    def reset(self) -> None:
+        """Drop pooled connections: after a reply broke off, the server has usually closed its end,
+        and reusing that connection would fail the next request too."""
+        self.client.close()
+        self.client = self._new_client()
 
     def __repr__(self) -> str:
         return f"ServerConnection({self.base_url!r}, key={'from $' + self.api_key_env if self.has_key else 'none'})"
@@ -103,6 +113,7 @@ class ServerConnection:
         try:
             response = self.client.request(method, url, json=body)
         except httpx.HTTPError as e:
+            self.reset()
             raise self.transport_error(e, url) from None
         if ok_404 and response.status_code in (404, 405):
             return None
@@ -117,7 +128,7 @@ class ServerConnection:
 
     @contextlib.contextmanager
     def events(self, path: str, body: dict, cancel: Optional[threading.Event] = None,
-               model: Optional[str] = None) -> Iterator[Iterator[dict]]:
+               model: Optional[str] = None) -> Iterator["EventStream"]:
         """POST and iterate over the JSON payloads of the server-sent events until `[DONE]`.
 
         A set `cancel` closes the connection even while the server is silent (a long prefill):
@@ -128,18 +139,19 @@ class ServerConnection:
                 if response.is_error:
                     response.read()
                     raise self.status_error(response, model)
-                done = threading.Event()
+                finished = threading.Event()
                 if cancel is not None:
-                    threading.Thread(target=_close_on_cancel, args=(cancel, done, response), daemon=True).start()
+                    threading.Thread(target=_close_on_cancel, args=(cancel, finished, response), daemon=True).start()
                 try:
-                    yield _sse_payloads(response, self.where)
+                    yield EventStream(response)
                 finally:
-                    done.set()
+                    finished.set()
         except BackendError:
             raise
         except Exception as e:
             if cancel is not None and cancel.is_set():
                 return  # the connection we closed ourselves on cancel
+            self.reset()
             if isinstance(e, httpx.HTTPError):
                 raise self.transport_error(e, url, " mid-reply") from None
             if isinstance(e, httpx.StreamError):
@@ -165,29 +177,42 @@ def _json(response: httpx.Response, where: str) -> dict:
     return data
 
 
-def _close_on_cancel(cancel: threading.Event, done: threading.Event, response: httpx.Response) -> None:
-    while not done.is_set():
+def _close_on_cancel(cancel: threading.Event, finished: threading.Event, response: httpx.Response) -> None:
+    """Wake the reader blocked on a silent server: shutting the socket down ends its read at once
+    (closing it from this thread would not); the reader's side then closes the response."""
+    while not finished.is_set():
         if cancel.wait(0.05):
-            if not done.is_set():
-                response.close()
+            stream = response.extensions.get("network_stream")
+            sock = stream.get_extra_info("socket") if stream is not None else None
+            if sock is not None and not finished.is_set():
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
             return
 
 
-def _sse_payloads(response: httpx.Response, where: str) -> Iterator[dict]:
-    data: list[str] = []
-    for line in response.iter_lines():
-        if line.startswith("data:"):
-            data.append(line[5:].lstrip())
-            if data[-1] == "[DONE]":
-                return
-            # Servers put one JSON object per data line; dispatch at once rather than wait for the blank line.
-            try:
-                payload = json.loads("\n".join(data))
-            except json.JSONDecodeError:
-                continue  # a payload spread over several data lines: wait for the rest
-            data = []
-            if isinstance(payload, dict):
-                yield payload
-        elif not line.strip():
-            data = []
-        # comments (": ping") and `event:` / `id:` lines carry nothing we use
+class EventStream:
+    """The JSON payloads of a server-sent event stream; `done` once the server said `[DONE]`."""
+
+    def __init__(self, response: httpx.Response):
+        self.response = response
+        self.done = False
+
+    def __iter__(self) -> Iterator[dict]:
+        data: list[str] = []
+        for line in self.response.iter_lines():
+            if line.startswith("data:"):
+                data.append(line[5:].lstrip())
+                if data[-1] == "[DONE]":
+                    self.done = True
+                    return
+                # Servers put one JSON object per data line; dispatch at once rather than wait for the blank line.
+                try:
+                    payload = json.loads("\n".join(data))
+                except json.JSONDecodeError:
+                    continue  # a payload spread over several data lines: wait for the rest
+                data = []
+                if isinstance(payload, dict):
+                    yield payload
+            elif not line.strip():
+                data = []
+            # comments (": ping") and `event:` / `id:` lines carry nothing we use

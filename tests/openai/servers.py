@@ -75,7 +75,8 @@ class LlamaCppServer:
 
 class ReplayServer:
     """`/<kind>/v1/...` for kind in vllm, sglang, llama-server: the recorded reply of that server.
-    vLLM's /metrics answers the counters before a request, then after it, in turn."""
+    vLLM's /metrics answers the counters before a request, then after it, in turn. Kind `silent`
+    starts a reply and then sends nothing."""
 
     def __init__(self):
         self.requests: list[tuple[str, dict, dict]] = []  # (path, headers, body)
@@ -110,6 +111,12 @@ class ReplayServer:
                 replay.requests.append((self.path, dict(self.headers), body))
                 if rest != "v1/chat/completions":
                     self._send(404, b'{"detail":"Not Found"}')
+                elif kind == "silent":  # headers, then nothing for a long while (a long prefill)
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    self.wfile.flush()
+                    time.sleep(5)
                 elif not body.get("stream"):
                     self._send(200, (RECORDED / f"{kind}-response.json").read_bytes())
                 else:

@@ -138,3 +138,16 @@ def test_metrics_none_asks_nothing_and_reports_nothing(replay):
                        .stream(Request(messages=CHAT), Sampling(max_tokens=12)))
     assert replay.metrics_calls == calls and not s.spec_reported
     assert "return_meta_info" not in replay.requests[-1][2]
+
+
+def test_cancel_while_the_server_is_silent_returns_at_once(replay):
+    import threading
+    import time
+
+    backend = OpenAIBackend(replay.base_url("silent"), "Qwen/Qwen3-8B")
+    cancel = threading.Event()
+    threading.Timer(0.2, cancel.set).start()
+    start = time.perf_counter()
+    s = run_to_summary(backend.stream(Request(messages=CHAT), Sampling(max_tokens=12), cancel))
+    assert s.stop_reason == "cancelled" and s.tokens == 0
+    assert time.perf_counter() - start < 2.0  # not the server's 5 s of silence

@@ -94,6 +94,14 @@ def test_closing_the_generator_closes_the_stream(llama_server):
     assert run_to_summary(backend.stream(Request(messages=CHAT), Sampling(max_tokens=4))).tokens == 4
 
 
+def test_a_reply_the_server_breaks_off_is_an_error_and_the_next_one_works(llama_server):
+    backend = remote(llama_server)
+    too_long = [{"role": "user", "content": " ".join(f"word{i} is here." for i in range(700))}]
+    with pytest.raises(BackendError, match="ended the reply without finishing it"):
+        list(backend.stream(Request(messages=too_long), Sampling(max_tokens=4)))
+    assert run_to_summary(backend.stream(Request(messages=CHAT), Sampling(max_tokens=4))).tokens == 4
+
+
 def test_wrong_port_and_wrong_model_are_one_clear_line(llama_server):
     with pytest.raises(BackendError) as e:
         remote(type("S", (), {"base_url": f"http://127.0.0.1:{free_port()}/v1"})())
