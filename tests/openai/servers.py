@@ -111,6 +111,10 @@ class ReplayServer:
                 replay.requests.append((self.path, dict(self.headers), body))
                 if rest != "v1/chat/completions":
                     self._send(404, b'{"detail":"Not Found"}')
+                elif body.get("model") != "Qwen/Qwen3-8B":  # as vLLM answers
+                    self._send(404, json.dumps({"object": "error", "message": f"The model `{body.get('model')}` "
+                                                "does not exist.", "type": "NotFoundError", "param": None,
+                                                "code": 404}).encode())
                 elif kind == "silent":  # headers, then nothing for a long while (a long prefill)
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from backends.base import NO_SPEC_METRICS, Request, Sampling, Step, Summary, run_to_summary
+from backends.base import NO_SPEC_METRICS, BackendError, Request, Sampling, Step, Summary, run_to_summary
 from backends.openai import OpenAIBackend
 from backends.openai.chunks import parse_chunk
 from backends.openai.metrics import (llama_server_figures, prometheus_samples, sglang_figures, vllm_counters,
@@ -151,3 +151,33 @@ def test_cancel_while_the_server_is_silent_returns_at_once(replay):
     s = run_to_summary(backend.stream(Request(messages=CHAT), Sampling(max_tokens=12), cancel))
     assert s.stop_reason == "cancelled" and s.tokens == 0
     assert time.perf_counter() - start < 2.0  # not the server's 5 s of silence
+
+
+def test_a_silent_server_times_out_with_one_line(replay):
+    backend = OpenAIBackend(replay.base_url("silent"), "Qwen/Qwen3-8B", timeout_s=0.5)
+    with pytest.raises(BackendError) as e:
+        run_to_summary(backend.stream(Request(messages=CHAT), Sampling(max_tokens=12)))
+    assert "sent nothing for 0.5s" in str(e.value) and "server.timeout_s" in str(e.value)
+
+
+def test_a_model_the_server_does_not_serve_is_named(replay):
+    backend = OpenAIBackend(replay.base_url("vllm"), "Qwen/Qwen3-80B")
+    with pytest.raises(BackendError, match="has no model 'Qwen/Qwen3-80B' \\(HTTP 404: The model"):
+        run_to_summary(backend.stream(Request(messages=CHAT), Sampling(max_tokens=12)))
+    with pytest.raises(BackendError, match="serves 'Qwen/Qwen3-8B', not 'Qwen/Qwen3-80B'"):
+        backend.check_server()
+
+
+def test_bench_shows_what_a_remote_server_reported(replay):
+    from rich.console import Console
+
+    from specchat import bench
+    from specchat.profiles import load_profiles
+    from specchat.prompts import PromptItem
+
+    profile = load_profiles().get("vllm-qwen3-8b-dflash").with_overrides({"server.base_url": replay.base_url("vllm")})
+    results = bench.bench([profile], [PromptItem("1", ["What is the capital of France?"])])
+    console = Console(width=200, record=True)
+    console.print(bench.render(results))
+    row = next(line for line in console.export_text().splitlines() if "vllm-qwen3-8b-dflash" in line)
+    assert "server: dflash ×15" in row and "2.75" in row
