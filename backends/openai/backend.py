@@ -3,8 +3,9 @@ llama-server, llama-cpp-python's server, ...) behind the same streaming interfac
 
 The server applies the chat template, tokenizes and speculates on its own. One `Step` is one
 streamed chunk (a server-side speculative pass may arrive as one chunk of several tokens). Token ids
-come from the logprobs where the server writes them (vLLM); otherwise tokens are counted per
-logprobs entry (or per chunk, when there are no logprobs) and replies are compared by text.
+come from the logprobs where the server writes them (llama-server; vLLM when asked); otherwise tokens
+are counted per logprobs entry (or per chunk, when there are no logprobs) and replies are compared
+by text.
 Speculative figures come from what the server reports (see `backends.openai.metrics`); when it
 reports none, the summary says so instead of showing zeros.
 """
@@ -231,7 +232,7 @@ class OpenAIBackend(Backend):
         try:
             response = self.conn.request("GET", "/metrics", root=True, ok_404=True)
         except BackendError:
-            response = None  # no figures is better than no reply
+            return None  # no figures is better than no reply; ask again next time
         counters = vllm_counters(response.text, self.model) if response is not None else None
         if counters is None and self.metrics == "auto":
             self._prometheus = False  # no vLLM speculative counters here: stop asking
