@@ -181,3 +181,20 @@ def test_bench_shows_what_a_remote_server_reported(replay):
     console.print(bench.render(results))
     row = next(line for line in console.export_text().splitlines() if "vllm-qwen3-8b-dflash" in line)
     assert "server: dflash ×15" in row and "2.75" in row
+
+
+def test_listing_profiles_never_connects(monkeypatch, capsys):
+    import httpx
+
+    from specchat import cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("listing profiles opened a connection")
+
+    monkeypatch.setattr(httpx.Client, "__init__", refuse)
+    assert cli.main(["profiles", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert not listed["errors"]
+    remote = {n: p for n, p in listed["profiles"].items() if p["backend"] == "openai"}
+    assert {"smollm2-server", "vllm-qwen3-8b-dflash", "sglang-qwen3-8b-dflash", "vllm-mimo-7b-mtp"} <= set(remote)
+    assert all("Server:" in p["description"] for p in remote.values())  # each says how to start its server
