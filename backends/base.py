@@ -21,6 +21,10 @@ STOP_MAX_TOKENS = "max_tokens"
 STOP_CANCELLED = "cancelled"
 STOP_CONTEXT_FULL = "context_full"
 
+# What front ends show for a remote server that says nothing about its speculation: the figures
+# are unknown, which is not the same as zero drafts or 1.0 tokens per pass.
+NO_SPEC_METRICS = "server reports no speculative metrics"
+
 
 class BackendError(Exception):
     """A problem the user can fix (missing file, mismatched drafter, prompt too long).
@@ -68,6 +72,12 @@ class Step:
     text: str
     drafted: int = 0
     accepted: int = 0
+    # Tokens this step stands for when their ids are unknown (a remote server without logprobs ids).
+    token_count: int | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return self.token_count if self.token_count is not None else len(self.token_ids)
 
 
 @dataclass
@@ -89,6 +99,10 @@ class Summary:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     error: str | None = None
+    # Remote servers count speculation themselves: where the figures came from (e.g. "vLLM /metrics"),
+    # and False when the server reported none (then drafts and acceptance are unknown, not zero).
+    spec_source: str | None = None
+    spec_reported: bool = True
 
     @property
     def decode_tok_s(self) -> float:
@@ -140,10 +154,10 @@ class StreamStats:
 
     def add(self, step: Step) -> Step:
         s = self.summary
-        if self.first_token_at is None and step.token_ids:
+        if self.first_token_at is None and step.n_tokens:
             self.first_token_at = time.perf_counter()
         s.passes += 1
-        s.tokens += len(step.token_ids)
+        s.tokens += step.n_tokens
         s.token_ids.extend(step.token_ids)
         s.text += step.text
         if step.drafted:

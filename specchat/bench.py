@@ -191,8 +191,12 @@ def render(results: list[ProfileResult]):
     for r in results:
         sp = speedup(results, r)
         method = r.profile.method if r.profile.method == "none" else f"{r.profile.method}:{r.profile.speculative.depth}"
+        speculated = r.profile.method != "none"
+        if r.profile.remote:  # the server's own speculation, and only what it reported
+            method = r.profile.method_label
+            speculated = any(run.summary.drafts for run in r.runs)
         cells = [r.label, r.profile.backend, method, str(len(r.runs)), f"{r.decode_tok_s():.1f}",
-                 f"{r.ttft_s():.3f}", f"{r.mean_accepted():.2f}" if r.profile.method != "none" else "-",
+                 f"{r.ttft_s():.3f}", f"{r.mean_accepted():.2f}" if speculated else "-",
                  f"{sp:.2f}x" if sp else "-"]
         for t in tasks if len(tasks) > 1 else []:
             tsp = speedup(results, r, t)

@@ -66,12 +66,19 @@ def cmd_run(args) -> int:
     cancel = threading.Event()
     summary: Optional[Summary] = None
     try:
-        for ev in backend.stream(request, sampling_of(profile), cancel):
-            if isinstance(ev, Summary):
-                summary = ev
-            elif not args.json:
-                sys.stdout.write(ev.text)
-                sys.stdout.flush()
+        events = backend.stream(request, sampling_of(profile), cancel)  # a refused prompt: exit 2
+        try:
+            for ev in events:
+                if isinstance(ev, Summary):
+                    summary = ev
+                elif not args.json:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+        except BackendError as e:  # the reply broke off (a server that died, timed out): a runtime failure
+            if not args.json:
+                sys.stdout.write("\n")
+            _err(str(e))
+            return EXIT_RUNTIME
     except KeyboardInterrupt:
         cancel.set()
         return 130
@@ -94,10 +101,11 @@ def cmd_run(args) -> int:
 
 
 def _stats_line(s: Summary) -> str:
+    from specchat.live import speculation_note
+
     line = f"{s.tokens} tokens · TTFT {s.ttft_s:.2f}s · {s.decode_tok_s:.1f} tok/s · stop: {s.stop_reason}"
-    if s.drafts:
-        line += f" · {s.mean_accepted:.2f} tokens/pass · acceptance {s.acceptance_rate:.0%}"
-    return line
+    note = speculation_note(s, "tokens/pass")
+    return line + (f" · {note}" if note else "")
 
 
 # ----------------------------------------------------------------------------- profiles
@@ -111,10 +119,11 @@ def cmd_profiles(args) -> int:
         print(json.dumps({"profiles": {n: p.model_dump() for n, p in ps.profiles.items()}, "errors": ps.errors}))
         return EXIT_OK
     table = Table(title="profiles")
-    for col in ("name", "backend", "method", "model", "description"):
+    table.add_column("name", no_wrap=True)
+    for col in ("backend", "method", "model", "description"):
         table.add_column(col)
     for name, p in sorted(ps.profiles.items()):
-        method = p.method if p.method == "none" else f"{p.method} (depth {p.speculative.depth})"
+        method = p.method_label if p.remote else p.method if p.method == "none" else f"{p.method} (depth {p.speculative.depth})"
         table.add_row(name + (" *" if name == DEFAULT_PROFILE else ""), p.backend, method, p.model, p.description)
     console = Console()
     console.print(table)
@@ -165,6 +174,33 @@ def cmd_bench(args) -> int:
     return EXIT_OK
 
 
+# -------------------------------------------------------------------------------- ladder
+
+def cmd_ladder(args) -> int:
+    from rich.console import Console
+
+    from specchat import ladder
+    from specchat.prompts import load_prompts
+
+    depths = ladder.parse_depths(args.depths)
+    profile = _overridden(_profile(args.profile), args)
+    ladder.check(profile)
+    prompts = load_prompts(args.prompts, args.limit, args.category) if args.prompts else _default_prompts()
+    console = Console(stderr=True)
+    console.print(f"[bold]{profile.name}[/bold]: loading…")
+    result = ladder.run_ladder(profile, depths, prompts, on_run=lambda label, r: console.print(
+        f"  {label} · {r.prompt.id} {r.summary.tokens} tok {r.summary.decode_tok_s:.1f} tok/s"
+        + (f" · {r.summary.mean_accepted:.2f}/pass" if r.summary.drafts else ""), highlight=False))
+    if args.plot:
+        ladder.write_plot(result, args.plot)
+        console.print(f"chart written to {args.plot}")
+    if args.json:
+        print(json.dumps(ladder.to_json(result)))
+    else:
+        Console().print(ladder.render(result))
+    return EXIT_OK
+
+
 def _default_prompts():
     from specchat.prompts import PromptItem
 
@@ -177,14 +213,17 @@ def _default_prompts():
 def cmd_verify(args) -> int:
     from rich.console import Console
 
+    from specchat.live import speculation_note
     from specchat.loading import load_backend, messages_for, sampling_of
     from specchat.prompts import load_prompts
     from specchat.verify import PromptCheck, check_prompt, summarize
 
     spec_profile = _overridden(_profile(args.profile), args)
-    if spec_profile.method == "none":
+    if spec_profile.remote and not args.reference:
+        spec_profile.target_only()  # raises: a server's speculation can't be switched off from here
+    if spec_profile.method == "none" and not spec_profile.remote and not args.reference:
         raise UsageError(f"profile '{spec_profile.name}' has no speculative method; verify compares a "
-                         "speculative profile with its target-only reference")
+                         "speculative profile with its target-only reference (or with -r REFERENCE)")
     prompts = load_prompts(args.prompts, args.limit, args.category) if args.prompts else _default_prompts()
     console = Console(stderr=True, highlight=False)
     spec = load_backend(spec_profile)
@@ -197,7 +236,8 @@ def cmd_verify(args) -> int:
             ref, out, verdict = check_prompt(spec, reference, request, sampling)
             checks.append(PromptCheck(item, ref, out, verdict))
             mark = {"identical": "[green]✓[/green]", "near-tie": "[yellow]≈[/yellow]"}.get(verdict.kind, "[red]✗[/red]")
-            console.print(f"{mark} {item.id} [{item.task}] {verdict.line()} · {out.mean_accepted:.2f} tokens/pass")
+            note = speculation_note(out, "tokens/pass")
+            console.print(f"{mark} {item.id} [{item.task}] {verdict.line()}" + (f" · {note}" if note else ""))
     finally:
         spec.close()
         if args.reference:
@@ -282,6 +322,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add a transformers `generate` reference row in this dtype (repeatable)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("ladder", help="one speculative profile at every draft depth: acceptance, speed-up, plateau")
+    p.add_argument("-p", "--profile", required=True, help="a speculative profile (e.g. smollm2-mtp)")
+    p.add_argument("--depths", default="1-6", help="draft depths: a range like 1-6 or a list like 1,2,4 (default 1-6)")
+    p.add_argument("--prompts", help="prompt file (Spec-Bench question.jsonl, jsonl or text)")
+    p.add_argument("--limit", type=int, help="at most N prompts, spread over the subtasks")
+    p.add_argument("--category", action="append", help="only these categories / subtasks")
+    p.add_argument("--plot", metavar="FILE", help="also write the chart as FILE.svg (or .png with matplotlib)")
+    p.add_argument("--json", action="store_true")
+    _add_sampling_flags(p)
+    p.set_defaults(func=cmd_ladder)
 
     p = sub.add_parser("verify", help="check that speculative output equals target-only output, token for token")
     p.add_argument("-p", "--profile", required=True, help="the speculative profile")

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from backends.base import Backend, BackendError, Request, Sampling, Step, Summary, tally_positions
+from backends.base import NO_SPEC_METRICS, Backend, BackendError, Request, Sampling, Step, Summary, tally_positions
 
 
 @dataclass
@@ -93,12 +93,12 @@ class LiveStats:
     summary: Optional[Summary] = None
 
     def add(self, step: Step, at: float) -> None:
-        if step.token_ids and self.first_at is None:
+        if step.n_tokens and self.first_at is None:
             self.first_at = at
         self.last_at = at
-        self.tokens += len(step.token_ids)
+        self.tokens += step.n_tokens
         self.passes += 1
-        self.per_pass.append(len(step.token_ids))
+        self.per_pass.append(step.n_tokens)
         if step.drafted:
             self.speculative_passes += 1
             tally_positions(self.drafts_per_position, self.accepted_per_position, step)
@@ -133,11 +133,13 @@ class LiveStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
+        if self.summary is not None and self.summary.drafts_per_position:
+            return self.summary.acceptance_by_position  # a server's own figures arrive with the summary
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafts_per_position)]
 
     @property
     def speculative(self) -> bool:
-        return self.speculative_passes > 0
+        return self.speculative_passes > 0 or (self.summary is not None and self.summary.drafts > 0)
 
 
 def format_rate(x: Optional[float]) -> str:
@@ -146,3 +148,30 @@ def format_rate(x: Optional[float]) -> str:
 
 def positions_line(rates: Sequence[float], limit: int = 8) -> str:
     return " ".join(f"{r:.0%}" for r in rates[:limit]) + (" …" if len(rates) > limit else "")
+
+
+def speculation_note(s: Summary, unit: str = "tok/pass", acceptance: bool = True) -> str:
+    """A reply's speculation in a few words: mean tokens per pass and acceptance; empty for
+    target-only decoding; for a remote server that reported nothing, that it reported nothing."""
+    if not s.spec_reported:
+        return NO_SPEC_METRICS
+    if not s.drafts:
+        return ""
+    note = f"{s.mean_accepted:.2f} {unit}"
+    if acceptance and s.draft_tokens:
+        note += f" · acceptance {s.acceptance_rate:.0%}"
+    return note
+
+
+def speculation_figures(live: LiveStats, remote: bool, positions: int = 8) -> str:
+    """The status-bar segment on speculation: tokens per target pass (and this pass's) with the
+    acceptance by draft position. A remote server's figures come with the end of the reply."""
+    summary = live.summary
+    if remote and summary is None:
+        return " │ tok/pass: when the reply ends"
+    if summary is not None and not summary.spec_reported:
+        return f" │ {NO_SPEC_METRICS}"
+    text = f" │ {live.mean_per_pass:.2f} tok/pass" + ("" if remote else f" (now {live.current_per_pass})")
+    if live.acceptance_by_position:
+        text += f" │ by pos {positions_line(live.acceptance_by_position, positions)}"
+    return text

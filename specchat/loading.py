@@ -12,6 +12,10 @@ def sampling_of(profile: Profile) -> Sampling:
 
 def load_backend(profile: Profile) -> Backend:
     """Load the model a profile names. Raises BackendError (one line) for anything the user can fix."""
+    if profile.backend == "openai":
+        from backends.openai import OpenAIBackend
+
+        return OpenAIBackend.from_profile(profile)
     if profile.backend == "llamacpp":
         from backends.llamacpp import LlamaCppBackend
 

@@ -47,6 +47,10 @@ class SpeculativeConfig(_Strict):
     # Verify with exactly the arithmetic of target-only decoding (row by row): true requires it,
     # false turns it off, auto (unset) uses it where the kernels make it possible.
     strict: Optional[bool] = None
+    # MTP: which target hidden state feeds the head (post_norm: after the final norm, as the
+    # reference implementations do; pre_norm: the last layer's output). Unset: what the head's
+    # config says, else post_norm.
+    mtp_hidden: Optional[Literal["post_norm", "pre_norm"]] = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -59,11 +63,37 @@ class SpeculativeConfig(_Strict):
         return self
 
 
+class ServerConfig(_Strict):
+    """Where a `backend: openai` profile's model runs: any OpenAI-compatible server."""
+
+    base_url: str  # the OpenAI-compatible root, e.g. http://127.0.0.1:8000/v1
+    api_key_env: Optional[str] = None  # the environment variable that holds the key (never the key itself)
+    timeout_s: float = Field(60.0, gt=0)  # for connecting, and for the server to send the next chunk
+    metrics: Literal["auto", "vllm", "sglang", "llama-server", "none"] = "auto"
+    logprobs: bool = True  # ask for per-token logprobs (token ids where the server gives them)
+    stream: bool = True  # false: whole replies (SGLang reports its verify count only on those)
+    speculation: Optional[str] = None  # what the server runs, for display, e.g. "dflash, 15 tokens"
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("expected an http(s) URL such as http://127.0.0.1:8000/v1")
+        return v.rstrip("/")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not v.replace("_", "a").isalnum():
+            raise ValueError("expected the NAME of an environment variable (e.g. VLLM_API_KEY), not the key")
+        return v
+
+
 class Profile(_Strict):
     name: str
     description: str = ""
     extends: Optional[str] = None
-    backend: Literal["torch", "llamacpp"] = "torch"
+    backend: Literal["torch", "llamacpp", "openai"] = "torch"
     model: str
     dtype: Literal["auto", "float32", "bfloat16", "float16", "int4"] = "auto"  # int4: Q4 GGUF weights, CPU
     device: str = "auto"
@@ -72,6 +102,7 @@ class Profile(_Strict):
     system: Optional[str] = None
     sampling: SamplingConfig = SamplingConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    server: Optional[ServerConfig] = None  # backend openai only
     source: Optional[str] = Field(None, exclude=True)  # the file it came from
 
     @field_validator("device")
@@ -87,7 +118,26 @@ class Profile(_Strict):
             raise ValueError(
                 f"speculative method '{self.speculative.method}' needs backend 'torch' "
                 "(the llama.cpp backend runs target-only)")
+        if self.backend == "openai":
+            if self.server is None:
+                raise ValueError("backend 'openai' needs a `server:` section with at least base_url")
+            if self.speculative.method != "none":
+                raise ValueError("a remote server speculates on its own: describe it in server.speculation "
+                                 "and leave speculative.method unset")
+        elif self.server is not None:
+            raise ValueError("`server:` is only for backend 'openai'")
         return self
+
+    @property
+    def remote(self) -> bool:
+        return self.backend == "openai"
+
+    @property
+    def method_label(self) -> str:
+        """How this profile decodes, for lists and status bars."""
+        if self.remote:
+            return f"server: {self.server.speculation}" if self.server.speculation else "server-side"
+        return "target-only" if self.method == "none" else f"{self.method} d={self.speculative.depth}"
 
     @property
     def method(self) -> str:
@@ -104,6 +154,10 @@ class Profile(_Strict):
 
     def target_only(self) -> "Profile":
         """The same profile with speculation off: the reference a speculative run is checked against."""
+        if self.remote:
+            raise ProfileError(
+                f"profile '{self.name}' runs on a server, whose speculation specchat cannot switch off: name a "
+                "reference profile (-r), e.g. the same model served without speculation, or a local one")
         return self.model_copy(update={
             "name": f"{self.name}:target-only",
             "speculative": SpeculativeConfig(),
@@ -235,6 +289,8 @@ def _build(name: str, data: dict, path: Path) -> Profile:
 def _check_files(profile: Profile, path: Path) -> None:
     from specchat.models import looks_like_path
 
+    if profile.remote:
+        return  # the model is a name the server serves; nothing on this machine to check
     if looks_like_path(profile.model) and not profile.resolve_path(profile.model).exists():
         raise ProfileError(f"{path}: model: no file or directory at {profile.resolve_path(profile.model)}")
     drafter = profile.speculative.drafter

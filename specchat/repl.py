@@ -18,12 +18,12 @@ from prompt_toolkit.history import FileHistory, InMemoryHistory
 
 from backends.base import Backend, BackendError, Request, Summary
 from specchat import loading, paths
-from specchat.compare import judge_text, judge_tokens, near_tie_margin
+from specchat.compare import near_tie_margin
 from specchat.conversation import Conversation
 from specchat.history import History, HistoryError
-from specchat.live import Failed, Item, one_line, pump
+from specchat.live import Failed, Item, one_line, pump, speculation_note
 from specchat.profiles import Profile, ProfileError, load_profiles
-from specchat.verify import fresh, margin_function, tie_margin_of, torch_engine_of
+from specchat.verify import fresh, judge_replies, tie_margin_of, torch_engine_of
 
 COMMANDS = {
     "/profile": "/profile NAME   switch profile (the conversation carries over)",
@@ -40,8 +40,9 @@ COMMANDS = {
 
 def stats_line(s: Summary) -> str:
     line = f"{s.tokens} tok · TTFT {s.ttft_s:.2f}s · {s.decode_tok_s:.1f} tok/s · {s.passes} passes"
-    if s.drafts:
-        line += f" · {s.mean_accepted:.2f} tok/pass · acceptance {s.acceptance_rate:.0%}"
+    spec = speculation_note(s)
+    if spec:
+        line += f" · {spec}"
     if s.stop_reason != "eos":
         line += f" · stop: {s.stop_reason}"
     return line
@@ -97,8 +98,7 @@ class Repl:
         if self.profile is None:
             return " no model loaded: /profile NAME"
         p = self.profile
-        method = "target-only" if p.method == "none" else f"{p.method} d={p.speculative.depth}"
-        bar = f" {p.name} · {method}" + (" · A/B on" if self.ab else "")
+        bar = f" {p.name} · {p.method_label}" + (" · A/B on" if self.ab else "")
         if self.last is not None:
             bar += " │ " + stats_line(self.last)
         return bar
@@ -119,7 +119,7 @@ class Repl:
         self._drop_reference()
         self.profile, self.backend = profile, backend
         self.conv.set_profile(profile.name)
-        self.say(f"[{profile.name}: {'target-only' if profile.method == 'none' else profile.method} · {profile.model}]")
+        self.say(f"[{profile.name}: {profile.method_label} · {profile.model}]")
         return True
 
     def _drop_reference(self) -> None:
@@ -201,14 +201,10 @@ class Repl:
             return
         if ref.stop_reason == "cancelled" or spec.stop_reason == "cancelled":
             self.say("verdict: stopped before the end; compared what both produced")
-        if ref.token_ids and spec.token_ids:
-            sampling = loading.sampling_of(self.profile)
-            margin_at = margin_function(ref_backend, ref_backend.prompt_ids(request), ref.token_ids, sampling)
-            tie = (tie_margin_of(ref_backend) if torch_engine_of(ref_backend) is not None
-                   else near_tie_margin(self.ref_profile.dtype))
-            v = judge_tokens(ref.token_ids, spec.token_ids, ref_backend.detokenize, margin_at, tie)
-        else:
-            v = judge_text(ref_text, spec.text)
+        tie = (tie_margin_of(ref_backend) if torch_engine_of(ref_backend) is not None
+               else near_tie_margin(self.ref_profile.dtype))
+        ref.text = ref.text or ref_text
+        v = judge_replies(ref_backend, request, ref, spec, loading.sampling_of(self.profile), tie)
         line = f"verdict: {v.line()}"
         if spec.decode_tok_s and ref.decode_tok_s:
             line += f" · speed-up ×{spec.decode_tok_s / ref.decode_tok_s:.2f}"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from backends.base import Backend, Request, Sampling, Summary, run_to_summary
-from specchat.compare import MISMATCH, NEAR_TIE, Verdict, judge_tokens, near_tie_margin
+from specchat.compare import MISMATCH, NEAR_TIE, Verdict, judge_text, judge_tokens, near_tie_margin
 from specchat.prompts import PromptItem
 
 
@@ -76,16 +76,27 @@ class PromptCheck:
     def as_dict(self) -> dict:
         return {"id": self.prompt.id, "category": self.prompt.category, **self.verdict.as_dict(),
                 "reference_tokens": self.reference.tokens, "speculative_tokens": self.speculative.tokens,
-                "mean_accepted": self.speculative.mean_accepted}
+                "mean_accepted": self.speculative.mean_accepted if self.speculative.spec_reported else None}
+
+
+def judge_replies(reference: Backend, request: Request, ref: Summary, other: Summary, sampling: Sampling,
+                  tie_margin: Optional[float] = None) -> Verdict:
+    """Align by token ids where both replies carry them, by text otherwise (a remote server that
+    returns no ids). Only a torch reference can score a divergence, so only it is asked for the
+    prompt's ids."""
+    if not (ref.token_ids and other.token_ids):
+        return judge_text(ref.text, other.text)
+    margin_at = None
+    if torch_engine_of(reference) is not None:
+        margin_at = margin_function(reference, reference.prompt_ids(request), ref.token_ids, sampling)
+    return judge_tokens(ref.token_ids, other.token_ids, reference.detokenize, margin_at,
+                        tie_margin if tie_margin is not None else tie_margin_of(reference))
 
 
 def check_prompt(spec: Backend, reference: Backend, request: Request, sampling: Sampling) -> tuple[Summary, Summary, Verdict]:
     ref = run_to_summary(fresh(reference).stream(request, sampling))
     out = run_to_summary(fresh(spec).stream(request, sampling))
-    prompt = reference.prompt_ids(request)
-    verdict = judge_tokens(ref.token_ids, out.token_ids, reference.detokenize,
-                           margin_function(reference, prompt, ref.token_ids, sampling), tie_margin_of(reference))
-    return ref, out, verdict
+    return ref, out, judge_replies(reference, request, ref, out, sampling)
 
 
 def summarize(checks: list[PromptCheck]) -> dict:

@@ -52,7 +52,7 @@ class ModelConfig:
             rope_theta=_rope_theta(c), rope_scaling=_rope_scaling(c),
             max_position=c.get("max_position_embeddings", 4096),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=bool(c.get("attention_bias", arch == "qwen2")),
+            qkv_bias=bool(c.get("attention_bias", arch in ("qwen2", "mimo"))),
             qk_norm=arch.startswith("qwen3"), arch=arch)
 
 
@@ -91,6 +91,14 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, out)
     raise ValueError(f"rope scaling '{kind}' is not supported by the torch engine")
+
+
+def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and signed sin per position, [max_len, 1, head_dim], for `Block.forward`."""
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(cfg))
+    cos, sin = freqs.cos(), freqs.sin()
+    return (torch.cat([cos, cos], -1).to(device, dtype)[:, None, :],
+            torch.cat([-sin, sin], -1).to(device, dtype)[:, None, :])
 
 
 class Linear(nn.Module):
@@ -211,10 +219,7 @@ class Transformer(nn.Module):
         # float32 on CPU even for bfloat16 weights: CPU attention is faster over a float32 cache
         cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.cache = KVCache(self.cfg, max_len, cache_dtype, self.device)
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(self.cfg))
-        cos, sin = freqs.cos(), freqs.sin()
-        self.rope_cos = torch.cat([cos, cos], -1).to(self.device, cache_dtype)[:, None, :]
-        self.rope_sin = torch.cat([-sin, sin], -1).to(self.device, cache_dtype)[:, None, :]
+        self.rope_cos, self.rope_sin = rope_tables(self.cfg, max_len, self.device, cache_dtype)
 
     @property
     def max_len(self) -> int:

@@ -8,6 +8,7 @@ A matrix is either a float32 tensor or `Int4Rows` (GGUF Q4_0/Q4_1 blocks kept as
 from __future__ import annotations
 
 import json
+import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -110,6 +111,8 @@ def load_hf_dir(path: Path) -> Checkpoint:
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     where = _safetensors_files(path)
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in where) else "model."
+    # an MTP head inside the checkpoint is read by backends/native/mtp.py when a profile asks for it
+    where = {n: f for n, f in where.items() if not is_mtp_tensor(n, prefix, cfg.n_layers)}
     tensors: dict[str, Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name, f in where.items():
@@ -137,6 +140,15 @@ def load_hf_dir(path: Path) -> Checkpoint:
     embed, norm = take(prefix + "embed_tokens.weight"), take(prefix + "norm.weight")
     _refuse_unknown(path, set(tensors) - used - {"lm_head.weight"})
     return Checkpoint(cfg, embed, norm, head, layers, source=str(path))
+
+
+def is_mtp_tensor(name: str, prefix: str, n_layers: int) -> bool:
+    """A tensor of a multi-token-prediction head: `mtp.*` (Qwen3-Next), `model.mtp_layers.*` (MiMo),
+    or a layer appended after the main ones (DeepSeek-V3 / GLM-4.5)."""
+    if name.startswith(("mtp.", prefix + "mtp_layers.")):
+        return True
+    m = re.match(re.escape(prefix) + r"layers\.(\d+)\.", name)
+    return m is not None and int(m.group(1)) >= n_layers
 
 
 def _refuse_unknown(path: Path, names: set[str]) -> None:
@@ -169,25 +181,28 @@ def _rows(m: Matrix) -> int:
     return m.q.shape[0] if isinstance(m, Int4Rows) else m.shape[0]
 
 
+def build_block(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device: torch.device) -> dict:
+    """One decoder layer's tensors (LAYER_KEYS + OPTIONAL_KEYS) as the weights `Block` takes."""
+    b = {
+        "attn_norm": layer["attn_norm"].float().to(device), "mlp_norm": layer["mlp_norm"].float().to(device),
+        "qkv": _linear([layer["q"], layer["k"], layer["v"]],
+                       [layer.get("q_bias"), layer.get("k_bias"), layer.get("v_bias")], dtype, int4, device),
+        "o": _linear([layer["o"]], [None], dtype, int4, device),
+        "gate_up": _linear([layer["gate"], layer["up"]], [None, None], dtype, int4, device),
+        "down": _linear([layer["down"]], [None], dtype, int4, device),
+    }
+    if "q_norm" in layer:
+        b["q_norm"], b["k_norm"] = layer["q_norm"].float().to(device), layer["k_norm"].float().to(device)
+    return b
+
+
 def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = False,
                 device: torch.device | str = "cpu") -> Transformer:
     """int4 runs Int4Rows matrices with torch's group-wise int4 kernel (CPU, bfloat16 activations)."""
     device = torch.device(device)
     if int4 and (dtype != torch.bfloat16 or device.type != "cpu"):
         raise ValueError("the int4 kernel path runs on CPU with bfloat16 activations")
-    blocks = []
-    for layer in ck.layers:
-        b = {
-            "attn_norm": layer["attn_norm"].float().to(device), "mlp_norm": layer["mlp_norm"].float().to(device),
-            "qkv": _linear([layer["q"], layer["k"], layer["v"]],
-                           [layer.get("q_bias"), layer.get("k_bias"), layer.get("v_bias")], dtype, int4, device),
-            "o": _linear([layer["o"]], [None], dtype, int4, device),
-            "gate_up": _linear([layer["gate"], layer["up"]], [None, None], dtype, int4, device),
-            "down": _linear([layer["down"]], [None], dtype, int4, device),
-        }
-        if "q_norm" in layer:
-            b["q_norm"], b["k_norm"] = layer["q_norm"].float().to(device), layer["k_norm"].float().to(device)
-        blocks.append(b)
+    blocks = [build_block(layer, dtype, int4, device) for layer in ck.layers]
     embed = ck.embed.float().to(device)
     head_weight = ck.head if ck.head is not None else embed
     if device.type == "cpu" and dtype != torch.float32:

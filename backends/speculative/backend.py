@@ -27,6 +27,8 @@ class SpeculativeBackend(Backend):
     @classmethod
     def from_profile(cls, profile) -> "SpeculativeBackend":
         spec = profile.speculative
+        if spec.method == "mtp" and not spec.drafter:
+            check_builtin_mtp(profile)
         target = TorchBackend.from_profile(profile)
         try:
             drafter = make_drafter(profile, target)
@@ -78,10 +80,52 @@ def make_drafter(profile, target: TorchBackend) -> Drafter:
             engine.close()
             raise
         return DraftModelDrafter(engine, want_q=spec.acceptance == "rejection")
+    if spec.method == "mtp":
+        return make_mtp_drafter(profile, target)
     if spec.method == "dflash":
         return make_dflash_drafter(profile, target)
     raise BackendError(f"profile '{profile.name}': speculative method '{spec.method}' is not available yet "
-                       "in this version; use none, ngram, draft or dflash")
+                       "in this version; use none, ngram, draft, mtp or dflash")
+
+
+def make_mtp_drafter(profile, target: TorchBackend) -> Drafter:
+    """The MTP head in `drafter:` (a head directory), or in the target's own checkpoint."""
+    from backends.native.mtp import MtpHead, read_mtp
+    from backends.speculative.mtp import MtpDrafter
+    from specchat.models import fetch_hub, resolve_model
+
+    spec = profile.speculative
+    ref = resolve_model(spec.drafter or profile.model, profile.base_dir)
+    path = fetch_hub(ref.location) if ref.kind == "hub" else ref.location
+    weights = read_mtp(path, target.model.cfg)
+    head = MtpHead(weights, target.model, target.context_length)
+    source = spec.mtp_hidden or weights.hidden_source or "post_norm"
+    return MtpDrafter(head, target.eos_ids, source, want_q=spec.acceptance == "rejection")
+
+
+def check_builtin_mtp(profile) -> None:
+    """Before loading a big target for its built-in MTP head: read and validate the head, and say
+    plainly if the main model is one the engine cannot run."""
+    import json
+    from pathlib import Path
+
+    from backends.native.model import ModelConfig
+    from backends.native.mtp import read_mtp, unsupported_main_model
+    from specchat.models import fetch_hub, resolve_model
+
+    ref = resolve_model(profile.model, profile.base_dir)
+    if ref.kind == "gguf":
+        raise BackendError(f"profile '{profile.name}': the target is a GGUF file, whose MTP (nextn) tensors the "
+                           "torch engine does not read; set `speculative.drafter` to an MTP head directory "
+                           "(e.g. made by `specchat train mtp`)")
+    path = fetch_hub(ref.location) if ref.kind == "hub" else Path(ref.location)
+    config = json.loads((path / "config.json").read_text())
+    why = unsupported_main_model(config)
+    weights = read_mtp(path, ModelConfig.from_hf(config))
+    if why:
+        raise BackendError(f"{path}: MTP head read and valid ({weights.layout.models} layout, "
+                           f"{len(weights.layers)} layer(s)), but {why}; serve it with vLLM or SGLang "
+                           "(backend: openai)")
 
 
 def make_dflash_drafter(profile, target: TorchBackend) -> Drafter:

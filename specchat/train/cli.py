@@ -1,4 +1,4 @@
-"""`specchat train data|draft|dflash`: argparse wiring (added to the main parser by `add_train_parser`)."""
+"""`specchat train data|draft|mtp|dflash`: argparse wiring (added to the main parser by `add_train_parser`)."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +33,20 @@ def cmd_draft(args) -> int:
                       eval_every=args.eval_every, holdout=args.holdout, threads=args.threads,
                       stop_at=args.stop_at, freeze_embedding=args.freeze_embedding)
     train_draft(_profile(args.target), [Path(d) for d in args.data], Path(args.out), shape, cfg, say=_say)
+    return 0
+
+
+def cmd_mtp(args) -> int:
+    from specchat.cli import _profile
+    from specchat.train.mtp import MtpTrainConfig, train_mtp
+
+    cfg = MtpTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
+                         kl_weight=args.kl_weight, ce_weight=args.ce_weight, depth2_weight=args.depth2_weight,
+                         top_k=args.top_k,
+                         draft_vocab=args.draft_vocab, hidden_source=args.hidden_source,
+                         checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, holdout=args.holdout,
+                         threads=args.threads, stop_at=args.stop_at)
+    train_mtp(_profile(args.target), [Path(d) for d in args.data], Path(args.out), cfg, say=_say)
     return 0
 
 
@@ -107,6 +121,30 @@ def add_train_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all physical cores)")
     p.add_argument("--stop-at", type=int, help=argparse.SUPPRESS)  # simulate an interruption (tests)
     p.set_defaults(func=cmd_draft)
+
+    p = tsub.add_parser("mtp", help="train an MTP head on the target's own hidden states (`train data` output)")
+    p.add_argument("--data", required=True, nargs="+", help="directories written by `specchat train data`")
+    p.add_argument("--target", default="smollm2", help="target profile (torch backend)")
+    p.add_argument("--out", required=True, help="output head directory (checkpoints and cached states in OUT/.train)")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch-tokens", type=int, default=2048, help="entries per step (default 2048)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--top-k", type=int, default=32, help="target probabilities kept per entry (default 32)")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="tokens the head may propose: the target's N most frequent choices (0: all)")
+    p.add_argument("--hidden-source", choices=["post_norm", "pre_norm"], default="post_norm",
+                   help="target state fed to the head: after the final norm (default) or the last layer's output")
+    p.add_argument("--kl-weight", type=float, default=1.0)
+    p.add_argument("--ce-weight", type=float, default=0.5)
+    p.add_argument("--depth2-weight", type=float, default=0.5,
+                   help="weight of the second drafting step's loss (the head fed its own output); 0: off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--holdout", type=float, default=0.05)
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all physical cores)")
+    p.add_argument("--stop-at", type=int, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_mtp)
 
     p = tsub.add_parser("dflash", help="train a DFlash block drafter (uses the target's hidden states, embedding "
                                        "and head) on `train data` output")

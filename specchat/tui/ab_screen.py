@@ -22,11 +22,11 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, Sparkline, Static
 
 from backends.base import Backend, BackendError, Request, Summary
-from specchat.compare import IDENTICAL, Verdict, judge_text, judge_tokens, near_tie_margin
-from specchat.live import Failed, Item, LiveStats, one_line, format_rate, positions_line, pump
+from specchat.compare import IDENTICAL, Verdict, near_tie_margin
+from specchat.live import Failed, Item, LiveStats, one_line, format_rate, pump, speculation_figures
 from specchat.loading import messages_for, sampling_of
 from specchat.profiles import Profile, ProfileError, load_profiles
-from specchat.verify import fresh, margin_function, tie_margin_of, torch_engine_of
+from specchat.verify import fresh, judge_replies, tie_margin_of, torch_engine_of
 from specchat.tui.budget import RenderBudget
 from specchat.tui.widgets import ChatInput, TokenText
 
@@ -49,6 +49,7 @@ class ABPane(Vertical):
         self.failed: Optional[str] = None
         self.diverge_at: Optional[int] = None
         self.state = "idle"
+        self.remote = False  # its profile runs on a server: speculative figures arrive with the summary
 
     def compose(self) -> ComposeResult:
         yield Label(self.title_text, classes="ab-title", markup=False)
@@ -86,12 +87,10 @@ class ABPane(Vertical):
         passes = self.summary.passes if self.summary else live.passes
         parts = [f"{self.state} │ TTFT {ttft:.2f}s" if ttft is not None else f"{self.state} │ TTFT –",
                  f" │ {format_rate(live.tok_s)} tok/s │ {passes} passes"]
-        if self.side == "spec":
-            parts.append(f" │ {live.mean_per_pass:.2f} tok/pass (now {live.current_per_pass})")
-            if live.acceptance_by_position:
-                parts.append(f" │ by pos {positions_line(live.acceptance_by_position, 5)}")
+        if self.side == "spec" or self.remote:
+            parts.append(speculation_figures(live, self.remote, 5))
         self.query_one(".ab-stats", Static).update(Content.assemble(*parts))
-        if self.side == "spec":
+        if self.side == "spec" and not self.remote:
             self.query_one(".ab-spark", Sparkline).data = live.per_pass[-60:]
 
 
@@ -126,10 +125,11 @@ class ABScreen(Screen):
         self.spec_profile = self.app.profile
         self.spec_backend = self.app.backend
         spec = self.spec_profile
-        method = "target-only" if spec.method == "none" else f"{spec.method} d={spec.speculative.depth}"
         yield Label(f"A/B  ·  conversation so far: {len(self.app.conv.messages)} messages", id="ab-header")
         with Horizontal(id="ab-panes"):
-            yield ABPane("spec", f"speculative: {spec.name} ({method})")
+            spec_pane = ABPane("spec", f"speculative: {spec.name} ({spec.method_label})")
+            spec_pane.remote = spec.remote
+            yield spec_pane
             yield ABPane("ref", f"reference: {self.reference_name or spec.name + ':target-only'} (loading…)")
         yield Static("", id="ab-verdict", markup=False)
         yield Label(SEQUENTIAL_NOTE, id="ab-mode")
@@ -172,12 +172,13 @@ class ABScreen(Screen):
             backend.close()
             return
         self.ref_profile, self.ref_backend = profile, backend
-        method = "target-only" if profile.method == "none" else f"{profile.method} d={profile.speculative.depth}"
-        self.query_one("#pane-ref .ab-title", Label).update(f"reference: {profile.name} ({method}, {profile.backend})")
+        self.query_one("#pane-ref", ABPane).remote = profile.remote
+        self.query_one("#pane-ref .ab-title", Label).update(
+            f"reference: {profile.name} ({profile.method_label}, {profile.backend})")
         if self.pending_prompt is not None:
             prompt, self.pending_prompt = self.pending_prompt, None
             self.start(prompt)
-        if self.spec_profile.method == "none":
+        if self.spec_profile.method == "none" and not self.spec_profile.remote:
             self.app.notify(f"{self.spec_profile.name} is not speculative: both sides decode target-only",
                             severity="warning")
 
@@ -338,13 +339,10 @@ class ABScreen(Screen):
 
     def judge(self, ref: Summary, spec: Summary) -> Verdict:
         """Token alignment with `specchat.compare` (as `specchat verify`); text when a side has no ids."""
-        if not (ref.token_ids and spec.token_ids):
-            return judge_text(ref.text, spec.text)
         spec_req, ref_req, sampling = self.requests
         backend = self.ref_backend
-        margin_at = margin_function(backend, backend.prompt_ids(ref_req), ref.token_ids, sampling)
         tie = tie_margin_of(backend) if torch_engine_of(backend) is not None else near_tie_margin(self.ref_profile.dtype)
-        return judge_tokens(ref.token_ids, spec.token_ids, backend.detokenize, margin_at, tie)
+        return judge_replies(backend, ref_req, ref, spec, sampling, tie)
 
     @staticmethod
     def _char_offset(backend: Backend, pane: ABPane, v: Verdict) -> int:

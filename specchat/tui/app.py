@@ -23,7 +23,7 @@ ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 
 def profile_line(p: Profile) -> str:
-    method = "target-only" if p.method == "none" else f"{p.method} (depth {p.speculative.depth})"
+    method = p.method_label if p.remote else "target-only" if p.method == "none" else f"{p.method} (depth {p.speculative.depth})"
     return f"{method} · {p.backend} · {p.model}"
 
 
@@ -243,8 +243,8 @@ class SpecChatApp(App):
                          lambda p: p and self.export_conversation(cid, p))
 
 
-def _check_profile(name: str) -> None:
-    load_profiles().get(name)  # raises ProfileError: one line, exit 2 via the CLI
+def _check_profile(name: str) -> Profile:
+    return load_profiles().get(name)  # raises ProfileError: one line, exit 2 via the CLI
 
 
 def run_chat(profile_name: str) -> int:
@@ -254,8 +254,10 @@ def run_chat(profile_name: str) -> int:
 
 
 def run_ab(spec: str, ref: Optional[str] = None) -> int:
-    _check_profile(spec)
+    profile = _check_profile(spec)
     if ref:
         _check_profile(ref)
+    else:
+        profile.target_only()  # a remote profile needs a named reference: say so before the TUI starts
     SpecChatApp(spec, ab_reference=ref, start_ab=True).run()
     return 0

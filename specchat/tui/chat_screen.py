@@ -15,7 +15,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, LoadingIndicator
 
 from backends.base import Request, Summary
-from specchat.live import Failed, Item, LiveStats, format_rate, positions_line, pump
+from specchat.live import Failed, Item, LiveStats, format_rate, pump, speculation_figures, speculation_note
 from specchat.loading import messages_for, sampling_of
 from specchat.tui.budget import RenderBudget
 from specchat.tui.widgets import DRAFT_STYLE, AssistantMessage, ChatInput, StatusBar, UserMessage
@@ -31,13 +31,16 @@ def stats_dict(s: Summary) -> dict:
          "decode_tok_s": round(s.decode_tok_s, 2), "stop_reason": s.stop_reason}
     if s.drafts:
         d.update(mean_accepted=round(s.mean_accepted, 3), acceptance_rate=round(s.acceptance_rate, 3))
+    if s.spec_source or not s.spec_reported:
+        d["spec_metrics"] = s.spec_source or "none reported"
     return d
 
 
 def summary_note(s: Summary) -> str:
     note = f"{s.tokens} tok · TTFT {s.ttft_s:.2f}s · {s.decode_tok_s:.1f} tok/s"
-    if s.drafts:
-        note += f" · {s.mean_accepted:.2f} tok/pass"
+    spec = speculation_note(s, acceptance=False)
+    if spec:
+        note += f" · {spec}"
     if s.stop_reason not in ("eos",):
         note += f" · stopped: {s.stop_reason}"
     return note
@@ -121,19 +124,16 @@ class ChatScreen(Screen):
             self.query_one(StatusBar).show(Content.assemble(*parts))
             return
         p = app.profile
-        method = "target-only" if p.method == "none" else f"{p.method} d={p.speculative.depth}"
-        parts += [(p.name, "bold"), f" · {p.backend} · {method}"]
+        parts += [(p.name, "bold"), f" · {p.backend} · {p.method_label}"]
         per_pass = None
         live = self.live
         if live is not None:
             ttft = live.ttft_s
             parts.append(f" │ TTFT {ttft:.2f}s" if ttft is not None else " │ TTFT –")
             parts.append(f" │ {format_rate(live.tok_s)} tok/s")
-            if live.speculative or p.method != "none":
-                parts.append(f" │ {live.mean_per_pass:.2f} tok/pass (now {live.current_per_pass})")
-                if live.acceptance_by_position:
-                    parts.append(f" │ by pos {positions_line(live.acceptance_by_position)}")
-                per_pass = live.per_pass
+            if live.speculative or p.method != "none" or p.remote:
+                parts.append(speculation_figures(live, p.remote))
+                per_pass = None if p.remote else live.per_pass
         if app.show_origin:
             parts += [" │ ", ("■ accepted draft", DRAFT_STYLE), " ■ target"]
         self.query_one(StatusBar).show(Content.assemble(*parts), per_pass)

@@ -158,3 +158,53 @@ def make_gguf(path: Path, hf_dir: Path, qtype: str = "F32") -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+MTP_LAYOUT_FAMILY = {"deepseek": "llama", "qwen3_next": "qwen3", "mimo": "qwen2"}
+
+
+def mtp_tensor_names(layout: str, n_layers: int, i: int = 0) -> dict[str, str]:
+    """role -> tensor name of MTP layer i, written out per layout (independently of the loader)."""
+    if layout == "deepseek":
+        p = f"model.layers.{n_layers + i}."
+        return {"embed_norm": p + "enorm.weight", "hidden_norm": p + "hnorm.weight", "proj": p + "eh_proj.weight",
+                "final_norm": p + "shared_head.norm.weight", "layer": p}
+    if layout == "qwen3_next":
+        return {"embed_norm": "mtp.pre_fc_norm_embedding.weight", "hidden_norm": "mtp.pre_fc_norm_hidden.weight",
+                "proj": "mtp.fc.weight", "final_norm": "mtp.norm.weight", "layer": f"mtp.layers.{i}."}
+    p = f"model.mtp_layers.{i}."
+    return {"embed_norm": p + "token_layernorm.weight", "hidden_norm": p + "hidden_layernorm.weight",
+            "proj": p + "input_proj.weight", "final_norm": p + "final_layernorm.weight", "layer": p}
+
+
+def add_mtp_head(ckpt: Path, layout: str, seed: int = 0, extra: dict | None = None) -> dict[str, torch.Tensor]:
+    """Write a random MTP layer in `layout` next to the checkpoint's weights (mtp.safetensors) and
+    declare it in config.json, as the public checkpoints do. The decoder layer copies the main
+    layers' names and shapes. Returns the tensors written (norms as stored: zero-centred for
+    qwen3_next)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    main = load_file(str(ckpt / "model.safetensors"))
+    n = cfg["num_hidden_layers"]
+    d = cfg["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    names = mtp_tensor_names(layout, n)
+    out: dict[str, torch.Tensor] = {}
+
+    def norm(shape):
+        w = 0.2 * torch.randn(shape, generator=g)
+        return w if layout == "qwen3_next" else 1.0 + w  # zero-centred: stored w, applied as 1 + w
+
+    for name, t in main.items():
+        if name.startswith("model.layers.0."):
+            key = names["layer"] + name[len("model.layers.0."):]
+            out[key] = norm(t.shape) if "norm" in name else 0.15 * torch.randn(t.shape, generator=g)
+    out[names["embed_norm"]], out[names["hidden_norm"]] = norm((d,)), norm((d,))
+    out[names["final_norm"]] = norm((d,))
+    out[names["proj"]] = 0.1 * torch.randn((d, 2 * d), generator=g)
+    out.update(extra or {})
+    save_file({k: v.contiguous() for k, v in out.items()}, str(ckpt / "mtp.safetensors"))
+    cfg["mtp_num_hidden_layers" if layout == "qwen3_next" else "num_nextn_predict_layers"] = 1
+    (ckpt / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out

@@ -11,7 +11,7 @@ from backends.speculative.dflash import DFlashDrafter, load_dflash
 from backends.speculative.drafters import DraftModelDrafter, NgramDrafter
 from specchat.compare import judge_tokens
 from specchat.verify import fresh, margin_function
-from tests.native.tiny import make_hf_checkpoint
+from tests.native.tiny import add_mtp_head, make_hf_checkpoint
 from tests.speculative.tiny_dflash import make_dflash_checkpoint
 
 PROMPTS = [[{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}],
@@ -21,7 +21,9 @@ PROMPTS = [[{"role": "user", "content": "the quick brown fox jumps over the lazy
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
-    return make_hf_checkpoint(root / "target", "llama", seed=11), make_hf_checkpoint(root / "draft", "llama", seed=12)
+    target = make_hf_checkpoint(root / "target", "llama", seed=11)
+    add_mtp_head(target, "deepseek", seed=13)  # a built-in (random) MTP head; the main model ignores it
+    return target, make_hf_checkpoint(root / "draft", "llama", seed=12)
 
 
 def engine(path, precision="float32") -> TorchBackend:
@@ -33,14 +35,24 @@ def target(tiny_pair):
     return engine(tiny_pair[0])
 
 
+def mtp_drafter(target, path, acceptance="exact", hidden_source="post_norm"):
+    from backends.native.mtp import MtpHead, read_mtp
+    from backends.speculative.mtp import MtpDrafter
+
+    head = MtpHead(read_mtp(path, target.model.cfg), target.model, target.context_length)
+    return MtpDrafter(head, target.eos_ids, hidden_source, want_q=acceptance == "rejection")
+
+
 @pytest.fixture(scope="session")
 def drafters(tiny_pair, target, tmp_path_factory):
-    """name -> factory(acceptance) of drafters: n-gram, a different model, the target itself, a
-    random DFlash drafter for the target."""
+    """name -> factory(acceptance) of drafters: n-gram, a different model, the target itself, the
+    target's MTP head (fed the final or the pre-norm hidden state), a random DFlash drafter."""
     draft_engine, self_engine = engine(tiny_pair[1]), engine(tiny_pair[0])
     dflash = load_dflash(make_dflash_checkpoint(tmp_path_factory.mktemp("dflash") / "d", tiny_pair[0], block_size=7),
                          target.model.cfg)
     return {
+        "mtp": lambda acceptance: mtp_drafter(target, tiny_pair[0], acceptance),
+        "mtp-prenorm": lambda acceptance: mtp_drafter(target, tiny_pair[0], acceptance, "pre_norm"),
         "dflash": lambda acceptance: DFlashDrafter(dflash, target, want_q=acceptance == "rejection"),
         "ngram": lambda acceptance: NgramDrafter(1, 3),
         "draft": lambda acceptance: DraftModelDrafter(draft_engine, want_q=acceptance == "rejection"),

@@ -1,0 +1,85 @@
+"""The MTP drafter: proposes with an MTP head (backends/native/mtp.py) fed the target's hidden states.
+
+Bookkeeping: after a pass the committed sequence is x[0..n-1] and the target has handed over its
+hidden states h[0..n-2] (the last token is fed at the start of the next verify block). The head's
+real entries are the pairs (h[t], x[t+1]) for t = 0..n-2, cached; the last one predicts x[n].
+Deeper drafts feed the head's own output back in place of h, in entries past the real ones,
+which the next pass overwrites.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from backends.base import Sampling
+from backends.native.model import FINAL
+from backends.native.mtp import MtpHead
+from backends.native.sampling import probs, sample
+from backends.speculative.loop import Draft, Drafter
+
+HIDDEN_SOURCES = ("post_norm", "pre_norm")
+
+
+class MtpDrafter(Drafter):
+    name = "mtp"
+
+    def __init__(self, head: MtpHead, eos_ids: frozenset[int], hidden_source: str = "post_norm",
+                 want_q: bool = False):
+        if hidden_source not in HIDDEN_SOURCES:
+            raise ValueError(f"hidden_source must be one of {HIDDEN_SOURCES}")
+        self.head, self.eos_ids, self.want_q = head, eos_ids, want_q
+        self.hidden_source = hidden_source
+        # post_norm: the target's final hidden state after its norm; pre_norm: the last layer's output
+        self.key = FINAL if hidden_source == "post_norm" else head.target.cfg.n_layers - 1
+        self.hidden_layers = (self.key,)
+        dim = head.target.cfg.dim
+        self.states = torch.empty(head.layers[0]["cache"].max_len, dim, device=head.target.device)
+        self.n_states = 0  # target hidden states held, for positions 0..n_states-1
+        self.entries = 0  # real head entries in the cache
+        self.sampling = Sampling()
+
+    def start(self, prompt_ids, hidden, sampling: Sampling) -> None:
+        self.sampling = sampling
+        self.n_states = self.entries = 0
+        self.head.reset()
+        self._add(hidden[self.key])
+
+    def commit(self, tokens, hidden) -> None:
+        self._add(hidden[self.key])
+
+    def _add(self, h: torch.Tensor) -> None:
+        self.states[self.n_states:self.n_states + len(h)] = h
+        self.n_states += len(h)
+
+    def _choose(self, g: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
+        logits = self.head.logits(g)
+        q = probs(logits, self.sampling)[0] if self.want_q else None
+        # the target's own position-keyed sampler: at temperature > 0 the guess shares the target's noise
+        return int(sample(logits, [position], self.sampling)[0]), q
+
+    def propose(self, tokens: Sequence[int], depth: int) -> Draft:
+        n = len(tokens)
+        real = min(self.n_states, n - 1)  # entries whose hidden state is the target's
+        if real < 1 or depth < 1:
+            return Draft([])
+        new = range(self.entries, real)
+        if len(new):
+            g = self.head.forward(self.states[new.start:new.stop],
+                                  torch.tensor(tokens[new.start + 1:new.stop + 1], device=self.states.device),
+                                  new.start)
+            last = g[-1:]
+        else:  # nothing new committed since the last proposal: recompute the last real entry
+            last = self.head.forward(self.states[real - 1:real],
+                                     torch.tensor([tokens[real]], device=self.states.device), real - 1)
+        self.entries = real
+        out, qs = [], []
+        for i in range(depth):
+            token, q = self._choose(last, n + i)
+            out.append(token)
+            if q is not None:
+                qs.append(q)
+            if i + 1 == depth or token in self.eos_ids:
+                break
+            last = self.head.forward(last, torch.tensor([token], device=last.device), real + i)
+        return Draft(out, torch.stack(qs) if qs else None)

@@ -1,0 +1,208 @@
+"""`specchat ladder`: one speculative profile at every draft depth, against target-only, in one run.
+
+More depth is not always more speed: each extra drafted token must be accepted often enough to
+pay for drafting and verifying it. The ladder loads the model once, and for every prompt runs
+target-only and then each depth in turn (so a slow spell of a shared machine hits every rung
+alike), and reports per depth: mean accepted tokens per pass, acceptance by position, decode
+tok/s and speed-up, with the best depth and where the plateau starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from backends.base import BackendError
+from specchat.bench import ProfileResult, Run, run_one, speedup, warm_up
+from specchat.profiles import Profile
+from specchat.prompts import PromptItem
+
+PLATEAU_GAIN = 0.1  # a rung adding fewer accepted tokens per pass than this is on the plateau
+
+
+def parse_depths(text: str) -> list[int]:
+    """'1-6' or '1,2,4' (or a mix) -> sorted depths."""
+    depths: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            depths.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise BackendError(f"--depths '{text}': expected a range like 1-6 or a list like 1,2,4") from None
+    if not depths or min(depths) < 1 or max(depths) > 64:
+        raise BackendError(f"--depths '{text}': depths run from 1 to 64")
+    return sorted(depths)
+
+
+@dataclass
+class Ladder:
+    reference: ProfileResult
+    rungs: list[tuple[int, ProfileResult]]
+
+    @property
+    def results(self) -> list[ProfileResult]:
+        return [self.reference] + [r for _, r in self.rungs]
+
+    def speedup(self, res: ProfileResult) -> float:
+        return speedup(self.results, res) or 0.0
+
+    def best_depth(self) -> int:
+        return max(self.rungs, key=lambda dr: self.speedup(dr[1]))[0]
+
+    def plateau_depth(self) -> Optional[int]:
+        """The first depth whose next rung adds less than PLATEAU_GAIN accepted tokens per pass."""
+        for (d, r), (_, nxt) in zip(self.rungs, self.rungs[1:]):
+            if nxt.mean_accepted() - r.mean_accepted() < PLATEAU_GAIN:
+                return d
+        return None
+
+
+def check(profile: Profile) -> None:
+    if profile.method == "none":
+        raise BackendError(f"profile '{profile.name}' has no speculative method; the ladder needs one "
+                           "(e.g. smollm2-mtp, smollm2-ngram)")
+    if profile.backend != "torch":
+        raise BackendError(f"profile '{profile.name}': the ladder runs the torch engine's speculative loop")
+
+
+def run_ladder(profile: Profile, depths: list[int], prompts: list[PromptItem],
+               on_run: Callable[[str, Run], None] = lambda label, r: None) -> Ladder:
+    from backends.speculative.backend import SpeculativeBackend
+
+    check(profile)
+    spec = SpeculativeBackend.from_profile(profile)
+    try:
+        ref_profile = profile.target_only()
+        reference = ProfileResult(ref_profile.name, ref_profile)
+        rungs = []
+        for d in depths:
+            p = profile.model_copy(update={"name": f"{profile.name}@{d}",
+                                           "speculative": profile.speculative.model_copy(update={"depth": d})})
+            rungs.append((d, ProfileResult(p.name, p, reference=reference.label)))
+        warm_up(spec.target, ref_profile)
+        warm_up(spec, profile)
+        for item in prompts:
+            run = run_one(spec.target, ref_profile, item)
+            reference.runs.append(run)
+            on_run(reference.label, run)
+            for d, res in rungs:
+                spec.depth = d
+                run = run_one(spec, res.profile, item)
+                res.runs.append(run)
+                on_run(res.label, run)
+    finally:
+        spec.close()
+    return Ladder(reference, rungs)
+
+
+def to_json(ladder: Ladder) -> dict:
+    return {
+        "reference": {"label": ladder.reference.label, "decode_tok_s": ladder.reference.decode_tok_s(),
+                      "prompts": len(ladder.reference.runs)},
+        "rungs": [{"depth": d, "mean_accepted": r.mean_accepted(), "acceptance_by_position": r.acceptance_by_position(),
+                   "decode_tok_s": r.decode_tok_s(), "speedup": ladder.speedup(r), "tokens": r.tokens()}
+                  for d, r in ladder.rungs],
+        "best_depth": ladder.best_depth(), "plateau_depth": ladder.plateau_depth(),
+    }
+
+
+def render(ladder: Ladder):
+    """A rich table plus bar charts of accepted tokens per pass and speed-up per depth."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"specchat ladder · {ladder.rungs[0][1].profile.name.rsplit('@', 1)[0]}")
+    for col in ("depth", "accepted/pass", "acceptance by position", "decode tok/s", "speed-up"):
+        table.add_column(col, justify="left" if col == "acceptance by position" else "right")
+    table.add_row("0 (target-only)", "1.00", "", f"{ladder.reference.decode_tok_s():.1f}", "1.00x")
+    best = ladder.best_depth()
+    for d, r in ladder.rungs:
+        pos = " ".join(f"{a:.2f}" for a in r.acceptance_by_position())
+        sp = f"{ladder.speedup(r):.2f}x"
+        table.add_row(str(d), f"{r.mean_accepted():.2f}", pos, f"{r.decode_tok_s():.1f}",
+                      f"[bold green]{sp}[/]" if d == best else sp)
+    width = 40
+    top_acc = max(r.mean_accepted() for _, r in ladder.rungs) or 1.0
+    top_sp = max([ladder.speedup(r) for _, r in ladder.rungs] + [1.0])
+    chart = Text()
+    chart.append("accepted tokens per pass", style="bold")
+    chart.append(" " * (width - 12) + "speed-up vs target-only\n", style="bold")
+    for d, r in ladder.rungs:
+        acc, sp = r.mean_accepted(), ladder.speedup(r)
+        a_bar = "█" * round(width / 2 * acc / top_acc)
+        s_bar = "█" * round(width / 2 * sp / top_sp)
+        chart.append(f"{d:>2} ")
+        chart.append(f"{a_bar:<{width // 2}}", style="cyan")
+        chart.append(f" {acc:4.2f}   ")
+        chart.append(f"{s_bar:<{width // 2}}", style="green" if sp >= 1 else "red")
+        chart.append(f" {sp:4.2f}x\n")
+    plateau = ladder.plateau_depth()
+    verdict = Text(f"best depth {best} ({ladder.speedup(dict(ladder.rungs)[best]):.2f}x target-only); ")
+    verdict.append(f"plateau from depth {plateau}: deeper drafts add < {PLATEAU_GAIN} accepted tokens per pass"
+                   if plateau else "no plateau within these depths")
+    return Group(table, chart, verdict)
+
+
+def write_plot(ladder: Ladder, path: str) -> None:
+    """SVG written directly; PNG through matplotlib when it is installed."""
+    depths = [d for d, _ in ladder.rungs]
+    acc = [r.mean_accepted() for _, r in ladder.rungs]
+    sp = [ladder.speedup(r) for _, r in ladder.rungs]
+    if path.lower().endswith(".png"):
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise BackendError("--plot FILE.png needs matplotlib (pip install matplotlib); "
+                               "or write an .svg, which needs nothing") from None
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(depths, acc, "o-", label="accepted tokens / pass")
+        ax.plot(depths, sp, "s-", label="speed-up vs target-only")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("draft depth")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return
+    if not path.lower().endswith(".svg"):
+        raise BackendError(f"--plot {path}: give a .svg or .png file name")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(svg_chart(depths, {"accepted tokens / pass": acc, "speed-up vs target-only": sp}))
+
+
+def svg_chart(xs: list[int], series: dict[str, list[float]], w: int = 560, h: int = 320) -> str:
+    """A small line chart: one polyline per series, a dashed line at 1.0, labelled axes."""
+    left, right, top, bottom = 48, 16, 40, 40
+    ymax = max(max(v) for v in series.values()) * 1.1 or 1.0
+    x0, x1 = min(xs), max(xs)
+
+    def px(x: float) -> float:
+        return left + (x - x0) / ((x1 - x0) or 1) * (w - left - right)
+
+    def py(y: float) -> float:
+        return h - bottom - y / ymax * (h - top - bottom)
+
+    colors = ["#1f77b4", "#2ca02c", "#d62728", "#9467bd"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="black"/>',
+           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="black"/>',
+           f'<line x1="{left}" y1="{py(1.0):.1f}" x2="{w - right}" y2="{py(1.0):.1f}" stroke="grey" '
+           'stroke-dasharray="4 3"/>',
+           f'<text x="{(left + w - right) / 2}" y="{h - 8}" text-anchor="middle">draft depth</text>']
+    for x in xs:
+        out.append(f'<text x="{px(x):.1f}" y="{h - bottom + 16}" text-anchor="middle">{x}</text>')
+    for i in range(5):
+        y = ymax * i / 4
+        out.append(f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.1f}</text>')
+    for n, (name, ys) in enumerate(series.items()):
+        c = colors[n % len(colors)]
+        pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys))
+        out.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="2"/>')
+        out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{c}"/>' for x, y in zip(xs, ys)]
+        out.append(f'<text x="{left + 8 + 220 * n}" y="{top - 16}" fill="{c}">— {name}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

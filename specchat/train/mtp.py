@@ -1,0 +1,452 @@
+"""`specchat train mtp`: an MTP head for a target that ships none, trained on the target's own states.
+
+- Features: one teacher-forced pass of the target (the engine, at the profile's precision, i.e.
+  exactly the states the head will see when drafting) over every training sequence (prompt +
+  the target's reply, from `specchat train data`). Entry t of a sequence is (h[t], x[t+1]); its
+  label is the target's distribution for x[t+2], from the same pass. Cached in OUT/.train.
+- Head: one decoder layer of the target's shape, initialised from the target's last layer;
+  `u = eh_proj([enorm(embed(x[t+1])), hnorm(h[t])])`, `g = norm(layer(u))`, logits = target head.
+  The embedding and head are the target's, frozen.
+- Draft vocabulary: the head may propose only the N tokens the target emits most often in the
+  training data (a smaller head matmul per drafted token; lossless, since the target verifies).
+- Loss: KL from the target's top-k distribution (restricted to the draft vocabulary) plus
+  cross-entropy on the target's own choice. Deterministic and resumable like `train draft`.
+- Output: the DeepSeek-V3 layout (`model.layers.{N}.{enorm,hnorm,eh_proj,shared_head.norm}` plus the
+  decoder layer), so `read_mtp` loads it like a public checkpoint's head.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backends.base import BackendError
+from backends.native.model import FINAL, ModelConfig, rope_inv_freq
+from backends.native.mtp import DRAFT_VOCAB
+from specchat.train.draft import LOG, STATE_DIR, data_info_of, load_examples, lr_at, schedule, split, target_source
+from specchat.train.progress import bar
+
+
+@dataclass
+class MtpTrainConfig:
+    steps: int = 600
+    batch_tokens: int = 2048
+    lr: float = 1e-3
+    seed: int = 0
+    kl_weight: float = 1.0
+    ce_weight: float = 0.5
+    depth2_weight: float = 0.5  # also train the second drafting step (the head fed its own output); 0: off
+    top_k: int = 32
+    draft_vocab: int = 8192  # 0: the whole vocabulary
+    hidden_source: str = "post_norm"
+    checkpoint_every: int = 100
+    eval_every: int = 100
+    holdout: float = 0.05
+    threads: int = 0
+    warmup: float = 0.05
+    stop_at: int | None = None
+
+
+@dataclass
+class Entries:
+    tokens: torch.Tensor  # [T] long
+    hidden: torch.Tensor  # [T-1, D] float16: h[t] for entries t = 0..T-2
+    top_ids: torch.Tensor  # [T-1, k] long: the target's top-k for x[t+2]
+    top_logp: torch.Tensor  # [T-1, k] float16
+
+
+# ---- features ----
+
+def compute_features(profile, examples, cfg: MtpTrainConfig, cache: Path, say=print) -> list[Entries]:
+    """The target's states and next-token distributions over every sequence (cached on disk)."""
+    from safetensors.torch import load_file, save_file
+
+    from backends.native.engine import TorchBackend
+
+    key = hashlib.sha256(json.dumps([profile.model, profile.dtype, cfg.hidden_source, cfg.top_k,
+                                     [e.id for e in examples], [int(e.tokens.sum()) for e in examples]]).encode())
+    path = cache / f"features-{key.hexdigest()[:16]}.safetensors"
+    if path.exists():
+        st = load_file(str(path))
+        return [Entries(e.tokens, st[f"{i}.h"], st[f"{i}.ids"].long(), st[f"{i}.logp"])
+                for i, e in enumerate(examples)]
+    engine = TorchBackend.from_profile(profile.model_copy(update={"context": max(len(e.tokens) for e in examples) + 1}))
+    layer = FINAL if cfg.hidden_source == "post_norm" else engine.model.cfg.n_layers - 1
+    head = engine.model.head.weight if engine.model.head.weight is not None else engine.model.embed
+    out, tensors = [], {}
+    started = time.perf_counter()
+    try:
+        with bar("target states", len(examples)) as update:
+            for i, e in enumerate(examples):
+                _, hidden = engine.forward(e.tokens.tolist(), 0, (layer, FINAL), all_logits=False)
+                logits = F.linear(hidden[FINAL][1:].to(head.dtype), head)  # one GEMM for every row
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                v, ids = logp.topk(cfg.top_k, dim=-1)
+                s = Entries(e.tokens, hidden[layer][:-1].to(torch.float16), ids, v.to(torch.float16))
+                out.append(s)
+                tensors |= {f"{i}.h": s.hidden.contiguous(), f"{i}.ids": ids.to(torch.int32).contiguous(),
+                            f"{i}.logp": s.top_logp.contiguous()}
+                update()
+    finally:
+        engine.close()
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+    say(f"target states for {len(examples)} sequences in {time.perf_counter() - started:.0f}s")
+    return out
+
+
+def choose_draft_vocab(seqs: list[Entries], size: int, vocab_size: int) -> torch.Tensor | None:
+    """The `size` tokens the target picks most often (its top-1 over the training entries)."""
+    if not size or size >= vocab_size:
+        return None
+    counts = torch.bincount(torch.cat([s.top_ids[:, 0] for s in seqs]), minlength=vocab_size)
+    return counts.argsort(descending=True, stable=True)[:size].sort().values
+
+
+# ---- the head, in training form ----
+
+def rms(x, w, eps):
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+class MtpTrainHead(nn.Module):
+    """The same math as backends.native.mtp.MtpHead (tested equal), batched for training."""
+
+    def __init__(self, cfg: ModelConfig, init_layer: dict, final_norm: torch.Tensor):
+        super().__init__()
+        d = cfg.dim
+        self.cfg = cfg
+        p = lambda t: nn.Parameter(t.detach().float().clone())  # noqa: E731
+        self.enorm, self.hnorm = p(torch.ones(d)), p(torch.ones(d))
+        self.eh_proj = p(torch.cat([torch.eye(d), torch.eye(d)], dim=1))  # starts as e + h
+        self.layer = nn.ParameterDict({k: p(v) for k, v in init_layer.items()})
+        self.norm = p(final_norm)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor,
+                deeper_embed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden, next_embed [B, T, D] -> g [B, T, D]; entry t attends to entries 0..t.
+
+        With deeper_embed [B, T-1, D] (the embeddings of x[t+2]) also the second drafting step:
+        the head's own g[t] fed back with x[t+2] at entry t+1, attending to the real entries 0..t
+        and itself, exactly as when drafting at depth 2. Returns (g, g2 [B, T-1, D] or None)."""
+        B, T, _ = hidden.shape
+        u = self._project(hidden, next_embed)
+        q, k, v = self._qkv(u, torch.arange(T))
+        g = self._finish(u, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]))
+        if deeper_embed is None:
+            return g, None
+        u2 = self._project(g[:, :-1], deeper_embed)
+        q2, k2, v2 = self._qkv(u2, torch.arange(1, T))
+        real = torch.arange(T)[None, :] <= torch.arange(T - 1)[:, None]  # entry t+1 sees real entries 0..t
+        own = torch.eye(T - 1, dtype=torch.bool)  # ... and itself
+        a2 = F.scaled_dot_product_attention(q2, torch.cat([k, k2], 2), torch.cat([v, v2], 2),
+                                            attn_mask=torch.cat([real, own], 1), enable_gqa=q.shape[1] != k.shape[1])
+        return g, self._finish(u2, a2)
+
+    def _project(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
+        eps = self.cfg.norm_eps
+        return torch.cat([rms(next_embed, self.enorm, eps), rms(hidden, self.hnorm, eps)], -1) @ self.eh_proj.T
+
+    def _qkv(self, u: torch.Tensor, positions: torch.Tensor):
+        c, L = self.cfg, self.layer
+        B, T, _ = u.shape
+        h = rms(u, L["attn_norm"], c.norm_eps)
+        q = (h @ L["q"].T).view(B, T, c.n_heads, c.head_dim)
+        k = (h @ L["k"].T).view(B, T, c.n_kv_heads, c.head_dim)
+        v = (h @ L["v"].T).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        freqs = torch.outer(positions.float(), self.inv_freq)
+        cos, sin = torch.cat([freqs.cos()] * 2, -1)[:, None], torch.cat([freqs.sin()] * 2, -1)[:, None]
+
+        def rope(x):
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * cos + torch.cat([-x2, x1], -1) * sin
+
+        return rope(q).transpose(1, 2), rope(k).transpose(1, 2), v
+
+    def _finish(self, u: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Attention output a [B, H, T, hd] -> the rest of the layer and the final norm."""
+        c, L = self.cfg, self.layer
+        B, _, T, _ = a.shape
+        u = u + a.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim) @ L["o"].T
+        h = rms(u, L["mlp_norm"], c.norm_eps)
+        u = u + (F.silu(h @ L["gate"].T) * (h @ L["up"].T)) @ L["down"].T
+        return rms(u, self.norm, c.norm_eps)
+
+    def state_for_export(self, n_layers: int) -> dict[str, torch.Tensor]:
+        """Tensors in the DeepSeek-V3 MTP layout for a target of `n_layers` layers."""
+        p = f"model.layers.{n_layers}."
+        names = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+                 "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+                 "down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
+                 "mlp_norm": "post_attention_layernorm.weight"}
+        out = {p + names[k]: v for k, v in self.layer.items()}
+        out |= {p + "enorm.weight": self.enorm, p + "hnorm.weight": self.hnorm, p + "eh_proj.weight": self.eh_proj,
+                p + "shared_head.norm.weight": self.norm}
+        return {k: v.detach() for k, v in out.items()}
+
+
+# ---- batches and loss ----
+
+def collate(seqs: list[Entries], embed: torch.Tensor, to_sub: torch.Tensor):
+    """Right-padded [B, T] batches of entries; padding sits after each sequence, so causal
+    attention never lets a real entry see it. Returns hidden, next-token embeddings, a validity
+    mask, top-k ids mapped into the draft vocabulary (-1: outside) and their log-probs."""
+    T = max(len(s.hidden) for s in seqs)
+    B, D, k = len(seqs), embed.shape[1], seqs[0].top_ids.shape[1]
+    hidden = torch.zeros(B, T, D)
+    nxt = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    ids = torch.full((B, T, k), -1, dtype=torch.long)
+    logp = torch.zeros(B, T, k)
+    for b, s in enumerate(seqs):
+        n = len(s.hidden)
+        hidden[b, :n] = s.hidden.float()
+        nxt[b, :n] = s.tokens[1:n + 1]
+        mask[b, :n] = True
+        ids[b, :n] = to_sub[s.top_ids]
+        logp[b, :n] = s.top_logp.float()
+    return hidden, embed[nxt], mask, ids, logp
+
+
+def _kl_ce_agree(g, head_w, ids, logp):
+    logq = torch.log_softmax(g @ head_w.T, dim=-1)  # over the draft vocabulary
+    valid = ids >= 0
+    p = torch.softmax(logp.masked_fill(~valid, float("-inf")), dim=-1)
+    has = valid.any(-1)  # entries whose target top-k meets the draft vocabulary at all
+    lq = logq.gather(1, ids.clamp_min(0))
+    kl = torch.where(valid, p * (torch.log(p.clamp_min(1e-12)) - lq), 0.0).sum(-1)[has].mean()
+    ce = -lq[:, 0][valid[:, 0]].mean()
+    agree = (logq.argmax(-1) == ids[:, 0]).float().mean()  # top-1 equals the target's (greedy acceptance)
+    return kl, ce, agree
+
+
+def losses(model: MtpTrainHead, head_w: torch.Tensor, batch, cfg: MtpTrainConfig):
+    """(loss, kl, ce, agreement at depth 1, agreement at depth 2 or None)."""
+    hidden, nxt, mask, ids, logp = batch
+    deeper = nxt[:, 1:] if cfg.depth2_weight else None
+    g, g2 = model(hidden, nxt, deeper)
+    kl, ce, agree = _kl_ce_agree(g[mask], head_w, ids[mask], logp[mask])
+    loss = cfg.kl_weight * kl + cfg.ce_weight * ce
+    agree2 = None
+    if g2 is not None:
+        m2 = mask[:, 1:]  # entry t at depth 2 is labelled like entry t+1 at depth 1
+        kl2, ce2, agree2 = _kl_ce_agree(g2[m2], head_w, ids[:, 1:][m2], logp[:, 1:][m2])
+        loss = loss + cfg.depth2_weight * (cfg.kl_weight * kl2 + cfg.ce_weight * ce2)
+    return loss, kl, ce, agree, agree2
+
+
+@torch.no_grad()
+def evaluate(model, head_w, seqs, embed, to_sub, cfg) -> dict:
+    if not seqs:
+        return {}
+    model.eval()
+    tot, n = {"kl": 0.0, "ce": 0.0, "agree": 0.0, "agree2": 0.0}, 0
+    for i in range(0, len(seqs), 8):
+        b = collate(seqs[i:i + 8], embed, to_sub)
+        k = int(b[2].sum())
+        _, kl, ce, agree, agree2 = losses(model, head_w, b, cfg)
+        for name, v in (("kl", kl), ("ce", ce), ("agree", agree), ("agree2", agree2)):
+            tot[name] += float(v if v is not None else float("nan")) * k
+        n += k
+    model.train()
+    return {f"eval_{k}": v / n for k, v in tot.items()} | {"eval_entries": n}
+
+
+# ---- training ----
+
+def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=print) -> dict:
+    from backends.native.engine import load_checkpoint, physical_cores
+    from backends.native.tokenizer import ChatTokenizer
+    from backends.native.weights import Int4Rows
+
+    if profile.backend != "torch":
+        raise BackendError(f"profile '{profile.name}' uses backend '{profile.backend}'; MTP training needs the "
+                           "torch engine (backend: torch)")
+    torch.set_num_threads(cfg.threads or physical_cores())
+    data = [Path(d) for d in data]
+    examples = load_examples(data)
+    train_ex, eval_ex = split(examples, cfg.holdout, cfg.seed)
+    if not train_ex:
+        raise BackendError(f"{data[0]}: too few samples to train on ({len(examples)})")
+    state_dir = out / STATE_DIR
+    state_dir.mkdir(parents=True, exist_ok=True)
+
+    path, kind = target_source(profile)
+    ck = load_checkpoint(path, kind, keep_int4=False)
+    tcfg: ModelConfig = ck.cfg
+    if max(int(e.tokens.max()) for e in examples) >= tcfg.vocab_size:
+        raise BackendError(f"{data[0]}: token ids beyond the target's vocabulary; was it made with another target?")
+    dense = lambda m: m.dequantize() if isinstance(m, Int4Rows) else m.float()  # noqa: E731
+    last = {k: dense(v) for k, v in ck.layers[-1].items()
+            if k in ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm")}
+    if any(k in ck.layers[-1] for k in ("q_bias", "q_norm")):
+        raise BackendError("train mtp supports Llama-style targets (no q/k/v biases or q/k norms) for now")
+    embed = ck.embed.float()
+    head_full = dense(ck.head) if ck.head is not None else embed
+    final_norm = ck.norm.float()
+    del ck
+
+    seqs = compute_features(profile, train_ex + eval_ex, cfg, state_dir, say)
+    train_seqs, eval_seqs = seqs[:len(train_ex)], seqs[len(train_ex):]
+    vocab = choose_draft_vocab(train_seqs, cfg.draft_vocab, tcfg.vocab_size)
+    to_sub = torch.arange(tcfg.vocab_size) if vocab is None else torch.full((tcfg.vocab_size,), -1, dtype=torch.long)
+    if vocab is not None:
+        to_sub[vocab] = torch.arange(len(vocab))
+    head_w = head_full if vocab is None else head_full[vocab].contiguous()
+    coverage = float((to_sub[torch.cat([s.top_ids[:, 0] for s in eval_seqs or train_seqs])] >= 0).float().mean())
+    say(f"draft vocabulary: {len(head_w)} tokens, covering {coverage:.1%} of the target's held-out choices")
+
+    torch.manual_seed(cfg.seed)
+    torch.use_deterministic_algorithms(True)
+    model = MtpTrainHead(tcfg, last, final_norm)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    settings = {"train": {k: v for k, v in asdict(cfg).items() if k not in ("stop_at", "checkpoint_every",
+                                                                            "eval_every", "threads")},
+                "data": [str(d) for d in data], "target": profile.name, "samples": len(examples)}
+    step, wall = 0, 0.0
+    ckpt = state_dir / "checkpoint.pt"
+    if ckpt.exists():
+        st = torch.load(ckpt, weights_only=False)
+        if st["settings"] != settings:
+            raise BackendError(f"{out}: holds a training run with other settings; use another --out or delete "
+                               f"{state_dir}")
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step, wall = st["step"], st["wall_s"]
+        say(f"resuming from step {step} ({wall:.0f}s trained so far)")
+    log_path = out / LOG
+    if step == 0 and log_path.exists():
+        log_path.unlink()
+    plan = schedule(len(train_seqs), [len(s.hidden) for s in train_seqs], cfg.batch_tokens, cfg.seed, cfg.steps)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"MTP head: {n_params / 1e6:.1f}M parameters; {len(train_seqs)} training / {len(eval_seqs)} held-out "
+        f"sequences ({sum(len(s.hidden) for s in train_seqs)} training entries)")
+
+    def save_ckpt() -> None:
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "wall_s": wall,
+                    "settings": settings}, tmp)
+        tmp.replace(ckpt)
+
+    model.train()
+    started = time.perf_counter()
+    rec: dict = {}
+    if step == 0 and eval_seqs:
+        rec = evaluate(model, head_w, eval_seqs, embed, to_sub, cfg)
+        say(f"before training: held-out top-1 agreement {rec['eval_agree']:.3f}")
+    with bar("training MTP head", cfg.steps, step) as update:
+        while step < cfg.steps:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg)
+            loss, kl, ce, agree, _ = losses(model, head_w, collate([train_seqs[i] for i in plan[step]], embed,
+                                                                   to_sub), cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            now = time.perf_counter()
+            wall += now - started
+            started = now
+            rec = {"step": step, "loss": loss.item(), "kl": kl.item(), "ce": ce.item(), "agree": agree.item(),
+                   "lr": lr_at(step - 1, cfg), "wall_s": round(wall, 1)}
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                rec |= evaluate(model, head_w, eval_seqs, embed, to_sub, cfg)
+            with open(log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+            update(status=f"loss {rec['loss']:.3f} agree {rec['agree']:.2f}"
+                   + (f" held-out {rec['eval_agree']:.2f}" if "eval_agree" in rec else ""))
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                save_ckpt()
+            if cfg.stop_at is not None and cfg.stop_at <= step < cfg.steps:
+                save_ckpt()
+                say(f"stopped at step {step} (resume by running the same command)")
+                return rec
+            started = time.perf_counter()
+    export(model, tcfg, vocab, cfg, out, profile)
+    write_card(out, profile, data, data_info_of(data), cfg, rec, n_params, wall, len(train_seqs), len(eval_seqs),
+               coverage, len(head_w))
+    say(f"wrote {out} ({wall:.0f}s of training; held-out top-1 agreement {rec.get('eval_agree', float('nan')):.3f})")
+    return rec
+
+
+def export(model: MtpTrainHead, tcfg: ModelConfig, vocab, cfg: MtpTrainConfig, out: Path, profile) -> None:
+    from safetensors.torch import save_file
+
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_for_export(tcfg.n_layers).items()}
+    if vocab is not None:
+        sd[DRAFT_VOCAB] = vocab.to(torch.int32).contiguous()
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = {"architectures": ["SpecchatMTPHead"], "model_type": "specchat_mtp", "hidden_size": tcfg.dim,
+              "num_hidden_layers": tcfg.n_layers, "num_attention_heads": tcfg.n_heads,
+              "num_key_value_heads": tcfg.n_kv_heads, "head_dim": tcfg.head_dim, "intermediate_size": tcfg.ffn_dim,
+              "rms_norm_eps": tcfg.norm_eps, "rope_theta": tcfg.rope_theta, "vocab_size": tcfg.vocab_size,
+              "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16",
+              "specchat_mtp": {"hidden_source": cfg.hidden_source, "target": profile.model,
+                               "draft_vocab": None if vocab is None else len(vocab)}}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def retrain_command(profile, data: list[Path], out: Path, info: dict, cfg: MtpTrainConfig) -> str:
+    parts = []
+    if info:
+        gen = (f"specchat train data --target {profile.name} --prompts {' '.join(info['prompt_files'])} "
+               f"--out {data[0]} --max-tokens {info['max_tokens']} --top-k {info['top_k']}")
+        if info.get("temperature"):
+            gen += f" --temperature {info['temperature']} --seed {info['seed']}"
+        parts.append(gen)
+    parts.append(f"specchat train mtp --data {' '.join(map(str, data))} --target {profile.name} --out {out} "
+                 f"--steps {cfg.steps} --batch-tokens {cfg.batch_tokens} --lr {cfg.lr} --top-k {cfg.top_k} "
+                 f"--draft-vocab {cfg.draft_vocab} --hidden-source {cfg.hidden_source} --kl-weight {cfg.kl_weight} "
+                 f"--ce-weight {cfg.ce_weight} --depth2-weight {cfg.depth2_weight} --holdout {cfg.holdout} --seed {cfg.seed}")
+    return " && \\\n  ".join(parts)
+
+
+def write_card(out: Path, profile, data, info, cfg, rec, n_params, wall, n_train, n_eval, coverage, n_vocab) -> None:
+    size_mb = (out / "model.safetensors").stat().st_size / 1e6
+    prompts = ", ".join(Path(p).name for p in info.get("prompt_files", [])) or "?"
+    text = f"""# MTP head for `{profile.name}` ({profile.model})
+
+A multi-token-prediction head (one decoder layer of the target's shape, DeepSeek-V3 layout) for
+lossless speculative decoding in specchat: from the target's {cfg.hidden_source.replace('_', '-')} final
+hidden state at position t and the embedding of token t+1 it guesses token t+2, using the target's
+own embedding and LM head. Trained by `specchat train mtp` on the target's own states.
+
+| | |
+|---|---|
+| shape | eh_proj (2H -> H) + 1 Llama decoder layer, initialised from the target's last layer |
+| parameters | {n_params / 1e6:.2f} M ({size_mb:.1f} MB as bfloat16 safetensors, with the draft vocabulary) |
+| draft vocabulary | {n_vocab} tokens (the target's most frequent choices), covering {coverage:.1%} of its held-out choices |
+| data | {n_train} training + {n_eval} held-out sequences (prompt + the target's reply) to prompts from {prompts} (self-instruct, Apache-2.0); greedy={info.get('temperature', 0) == 0}, max {info.get('max_tokens', '?')} reply tokens |
+| labels | the target's distribution for token t+2 (top-{cfg.top_k}), from the same teacher-forced pass that gives the hidden states |
+| loss | {cfg.kl_weight} x KL(target top-k || head) + {cfg.ce_weight} x CE on the target's choice, at depth 1 and (weight {cfg.depth2_weight}) at depth 2, where the head is fed its own output as when drafting |
+| optimiser | AdamW (0.9, 0.95), lr {cfg.lr} warmup {cfg.warmup:.0%} then cosine to 10%, grad-clip 1.0, ~{cfg.batch_tokens} entries/step |
+| steps | {rec.get('step', cfg.steps)} |
+| seed | {cfg.seed} (deterministic on CPU) |
+| training wall time | {wall:.0f} s on {platform.machine()} CPU, {torch.get_num_threads()} thread(s) (data and target states not included) |
+| held-out (teacher-forced) | top-1 agreement with the target {rec.get('eval_agree', float('nan')):.3f} at depth 1 (the expected first-position acceptance under greedy decoding), {rec.get('eval_agree2', float('nan')):.3f} at depth 2; KL {rec.get('eval_kl', float('nan')):.3f} |
+
+Spec-Bench was never used for training; it is evaluation only.
+
+## Re-train
+
+```
+{retrain_command(profile, data, out, info, cfg)}
+```
+
+The training log is in `{LOG}`.
+"""
+    (out / "README.md").write_text(text)
+    (out / "training.json").write_text(json.dumps(
+        {"settings": asdict(cfg), "data": [str(d) for d in data], "wall_s": round(wall, 1), "final": rec,
+         "draft_vocab": n_vocab, "coverage": coverage}, indent=1, default=str))

@@ -1,0 +1,144 @@
+"""MTP heads in the three public layouts: loading, the math against an independent reference
+built from transformers' own decoder layer, and clear errors for what the engine cannot run."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from backends.base import BackendError
+from backends.native.engine import TorchBackend
+from backends.native.mtp import MtpHead, read_mtp, unsupported_main_model
+from tests.native.tiny import MTP_LAYOUT_FAMILY, add_mtp_head, make_hf_checkpoint, mtp_tensor_names
+
+
+@pytest.fixture(scope="module", params=sorted(MTP_LAYOUT_FAMILY))
+def with_mtp(request, tmp_path_factory):
+    layout = request.param
+    ckpt = make_hf_checkpoint(tmp_path_factory.mktemp(layout) / "m", MTP_LAYOUT_FAMILY[layout], seed=3)
+    add_mtp_head(ckpt, layout, seed=4)
+    return layout, ckpt
+
+
+def reference(ckpt, layout, hidden, next_tokens):
+    """The MTP math written out with transformers' decoder layer (a one-layer model of the target's
+    family whose final norm is the MTP's final norm)."""
+    from transformers import AutoConfig, AutoModel
+
+    cfg = AutoConfig.from_pretrained(ckpt)
+    n, eps = cfg.num_hidden_layers, cfg.rms_norm_eps
+    mtp = load_file(str(ckpt / "mtp.safetensors"))
+    main = load_file(str(ckpt / "model.safetensors"))
+    names = mtp_tensor_names(layout, n)
+    off = 1.0 if layout == "qwen3_next" else 0.0
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (w + off)
+
+    embed = main["model.embed_tokens.weight"]
+    e, h = rms(embed[next_tokens], mtp[names["embed_norm"]]), rms(hidden, mtp[names["hidden_norm"]])
+    u = (torch.cat([h, e], -1) if layout == "mimo" else torch.cat([e, h], -1)) @ mtp[names["proj"]].T
+    cfg.num_hidden_layers = 1
+    model = AutoModel.from_config(cfg).float()
+    p = names["layer"]
+    own = {names[r] for r in ("embed_norm", "hidden_norm", "proj", "final_norm")}
+    sd = {"layers.0." + k[len(p):]: v + (off if "norm" in k else 0.0) for k, v in mtp.items()
+          if k.startswith(p) and k not in own}
+    sd |= {"norm.weight": mtp[names["final_norm"]] + off, "embed_tokens.weight": embed}
+    model.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        g = model(inputs_embeds=u[None]).last_hidden_state[0]
+    head = main.get("lm_head.weight", embed)
+    return g, g @ head.T
+
+
+def test_head_matches_reference_in_every_layout(with_mtp):
+    layout, ckpt = with_mtp
+    engine = TorchBackend(ckpt, "hf_dir", precision="float32", threads=1, context=64)  # main loader skips MTP
+    w = read_mtp(ckpt, engine.model.cfg)
+    assert w.layout.name == layout and len(w.layers) == 1
+    head = MtpHead(w, engine.model, 64)
+    torch.manual_seed(0)
+    hidden = torch.randn(6, engine.model.cfg.dim)
+    tokens = torch.randint(0, engine.model.cfg.vocab_size, (6,))
+    g = head.forward(hidden, tokens, 0)
+    ref_g, ref_logits = reference(ckpt, layout, hidden, tokens)
+    assert torch.allclose(g, ref_g, atol=1e-4), (g - ref_g).abs().max()
+    assert torch.allclose(head.logits(g), ref_logits, atol=1e-3)
+    # entries fed in two passes (cache reuse) give the same states
+    head.forward(hidden[:4], tokens[:4], 0)
+    assert torch.allclose(head.forward(hidden[4:], tokens[4:], 4), g[4:], atol=1e-5)
+    # rolling back: rerun entry 2 with a different token, then 3.. see the new entry
+    head.forward(hidden[:2], tokens[:2], 0)
+    assert torch.allclose(head.forward(hidden[2:], tokens[2:], 2), g[2:], atol=1e-5)
+
+
+def test_main_model_ignores_the_mtp_tensors(with_mtp):
+    layout, ckpt = with_mtp
+    plain = make_hf_checkpoint(ckpt.parent / "plain", MTP_LAYOUT_FAMILY[layout], seed=3)
+    a = TorchBackend(ckpt, "hf_dir", precision="float32", threads=1, context=32)
+    b = TorchBackend(plain, "hf_dir", precision="float32", threads=1, context=32)
+    ids = [5, 6, 7, 8]
+    assert torch.equal(a.forward(ids, 0)[0], b.forward(ids, 0)[0])
+
+
+def _rewrite(ckpt, change):
+    t = load_file(str(ckpt / "mtp.safetensors"))
+    change(t)
+    save_file(t, str(ckpt / "mtp.safetensors"))
+
+
+def test_clear_errors(tmp_path):
+    ckpt = make_hf_checkpoint(tmp_path / "m", "qwen3", seed=1)
+    cfg = TorchBackend(ckpt, "hf_dir", precision="float32", threads=1, context=32).model.cfg
+    with pytest.raises(BackendError, match="no MTP head found.*specchat train mtp"):
+        read_mtp(ckpt, cfg)
+    written = add_mtp_head(ckpt, "qwen3_next")
+    q = "mtp.layers.0.self_attn.q_proj.weight"
+
+    _rewrite(ckpt, lambda t: t.__setitem__(q, torch.cat([t[q], t[q]])))  # Qwen3-Next's output gate
+    with pytest.raises(BackendError, match="gated attention"):
+        read_mtp(ckpt, cfg)
+    _rewrite(ckpt, lambda t: (t.__setitem__(q, written[q]), t.__setitem__("mtp.layers.0.mlp.experts.0.up_proj.weight",
+                                                                          torch.zeros(4, 4))))
+    with pytest.raises(BackendError, match="mixture-of-experts"):
+        read_mtp(ckpt, cfg)
+    _rewrite(ckpt, lambda t: (t.pop("mtp.layers.0.mlp.experts.0.up_proj.weight"), t.pop("mtp.fc.weight"),
+                              t.__setitem__("mtp.fc.weight", torch.zeros(8, 8))))
+    with pytest.raises(BackendError, match="'proj' has shape"):
+        read_mtp(ckpt, cfg)
+    _rewrite(ckpt, lambda t: t.pop("mtp.layers.0.self_attn.o_proj.weight"))
+    with pytest.raises(BackendError, match="o_proj.weight missing"):
+        read_mtp(ckpt, cfg)
+
+
+def test_deepseek_head_of_another_model_is_refused(tmp_path):
+    ckpt = make_hf_checkpoint(tmp_path / "m", "llama", seed=1)
+    add_mtp_head(ckpt, "deepseek")
+    cfg = TorchBackend(ckpt, "hf_dir", precision="float32", threads=1, context=32).model.cfg
+    from dataclasses import replace
+
+    with pytest.raises(BackendError, match="belongs to another model"):
+        read_mtp(ckpt, replace(cfg, n_layers=2))
+
+
+def test_unsupported_main_models_are_named():
+    assert "mixture-of-experts" in unsupported_main_model({"model_type": "deepseek_v3", "n_routed_experts": 256,
+                                                           "kv_lora_rank": 512})
+    assert "latent attention" in unsupported_main_model({"model_type": "deepseek_v3", "kv_lora_rank": 512})
+    assert "hybrid" in unsupported_main_model({"model_type": "qwen3_next",
+                                               "layer_types": ["linear_attention", "full_attention"]})
+    assert unsupported_main_model({"model_type": "mimo"}) is None
+
+
+def test_builtin_head_of_an_unsupported_model_says_so(tmp_path):
+    from backends.speculative.backend import check_builtin_mtp
+    from specchat.profiles import Profile
+
+    ckpt = make_hf_checkpoint(tmp_path / "m", "llama", seed=1)
+    add_mtp_head(ckpt, "deepseek")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(cfg | {"n_routed_experts": 8}))
+    profile = Profile(name="x", model=str(ckpt), speculative={"method": "mtp"})
+    with pytest.raises(BackendError, match=r"MTP head read and valid \(DeepSeek-V3 / GLM-4.5 layout, 1 layer"):
+        check_builtin_mtp(profile)

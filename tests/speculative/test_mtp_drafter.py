@@ -1,0 +1,72 @@
+"""The MTP drafter's bookkeeping: what it proposes in the loop is what the head predicts when
+recomputed from scratch over the committed sequence."""
+import shutil
+
+import pytest
+import torch
+
+from backends.base import BackendError, Request, Sampling, run_to_summary
+from backends.native.model import FINAL
+from backends.speculative.backend import SpeculativeBackend
+from specchat.profiles import Profile
+from specchat.verify import fresh
+from tests.speculative.conftest import PROMPTS, compare, mtp_drafter
+
+
+@pytest.mark.parametrize("hidden_source", ["post_norm", "pre_norm"])
+@pytest.mark.parametrize("depth", [1, 3])
+def test_proposals_equal_a_fresh_recomputation(target, tiny_pair, hidden_source, depth):
+    drafter = mtp_drafter(target, tiny_pair[0], hidden_source=hidden_source)
+    proposals = []
+    propose = drafter.propose
+
+    def recording(tokens, d):
+        draft = propose(tokens, d)
+        proposals.append((len(tokens), draft.tokens[:1]))
+        return draft
+
+    drafter.propose = recording
+    spec = SpeculativeBackend(fresh(target), drafter, depth)
+    out = run_to_summary(spec.stream(Request(messages=PROMPTS[1]), Sampling(max_tokens=30)))
+    seq = target.prompt_ids(Request(messages=PROMPTS[1])) + out.token_ids
+    # from scratch: the target's states over the whole sequence, every (h[t], x[t+1]) entry at once
+    key = FINAL if hidden_source == "post_norm" else target.model.cfg.n_layers - 1
+    _, hidden = fresh(target).forward(seq, 0, (key,))
+    fresh_head = mtp_drafter(target, tiny_pair[0]).head
+    g = fresh_head.forward(hidden[key][:-1], torch.tensor(seq[1:]), 0)
+    predicted = fresh_head.logits(g).argmax(-1).tolist()  # predicted[t] is the guess for x[t+2]
+    assert len(proposals) > 5
+    for n, first in proposals:
+        assert first == [predicted[n - 2]], f"proposal for position {n}"
+
+
+def test_mtp_keeps_parity_across_turns_and_with_rejection(target, drafters):
+    convo = PROMPTS[1] + [{"role": "assistant", "content": "fine"}, {"role": "user", "content": "the lazy dog"}]
+    for messages in (PROMPTS[1], convo):
+        _, _, verdict = compare(target, drafters["mtp"]("exact"), 3, Sampling(max_tokens=30), messages)
+        assert verdict.kind == "identical", verdict.line()
+    _, out, _ = compare(target, drafters["mtp"]("rejection"), 3,
+                        Sampling(temperature=1.0, seed=4, max_tokens=30), acceptance="rejection")
+    assert out.tokens == 30 and out.draft_tokens > 0
+
+
+def test_profiles_load_a_builtin_or_separate_head(tiny_pair, tmp_path):
+    target_dir = tiny_pair[0]
+    head_dir = tmp_path / "head"
+    head_dir.mkdir()
+    shutil.copy(target_dir / "mtp.safetensors", head_dir)
+    shutil.copy(target_dir / "config.json", head_dir)
+    sampling = Sampling(max_tokens=20)
+    outs = []
+    for drafter in (None, str(head_dir)):
+        profile = Profile(name="t", model=str(target_dir), dtype="float32", context=256,
+                          speculative={"method": "mtp", "depth": 2, "drafter": drafter})
+        spec = SpeculativeBackend.from_profile(profile)
+        outs.append(run_to_summary(spec.stream(Request(messages=PROMPTS[0]), sampling)).token_ids)
+        spec.close()
+    assert outs[0] == outs[1]
+    # a directory without any MTP head
+    profile = Profile(name="t", model=str(target_dir), dtype="float32", context=256,
+                      speculative={"method": "mtp", "drafter": str(tiny_pair[1])})
+    with pytest.raises(BackendError, match="no MTP head found"):
+        SpeculativeBackend.from_profile(profile)

@@ -1,0 +1,55 @@
+import json
+
+import pytest
+
+from backends.base import BackendError
+from specchat import cli, ladder
+from tests.native.tiny import add_mtp_head, make_hf_checkpoint
+
+
+@pytest.fixture
+def tiny_mtp_profile(isolated_dirs):
+    folder = isolated_dirs / "user-profiles"
+    add_mtp_head(make_hf_checkpoint(folder / "tiny", "llama"), "deepseek")
+    (folder / "tiny-mtp.yaml").write_text("backend: torch\nmodel: ./tiny\ndtype: float32\ncontext: 256\nthreads: 2\n"
+                                          "speculative: {method: mtp, depth: 2}\n")
+    (folder / "tiny.yaml").write_text("backend: torch\nmodel: ./tiny\ndtype: float32\ncontext: 256\n")
+    return "tiny-mtp"
+
+
+def test_ladder_measures_every_depth_against_target_only(tiny_mtp_profile, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the quick brown fox\nhello world, how are you today?\n")
+    plot = tmp_path / "ladder.svg"
+    assert cli.main(["ladder", "-p", tiny_mtp_profile, "--depths", "1-3", "--prompts", str(prompts),
+                     "--max-tokens", "12", "--plot", str(plot), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["depth"] for r in out["rungs"]] == [1, 2, 3]
+    for r in out["rungs"]:
+        assert r["tokens"] == 24 and r["speedup"] > 0 and 1.0 <= r["mean_accepted"] <= r["depth"] + 1
+        assert len(r["acceptance_by_position"]) == r["depth"]
+    assert out["best_depth"] in (1, 2, 3) and out["reference"]["prompts"] == 2
+    svg = plot.read_text()
+    assert svg.startswith("<svg") and svg.count("<polyline") == 2
+
+
+def test_ladder_renders_a_table_and_chart(tiny_mtp_profile, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the quick brown fox\n")
+    assert cli.main(["ladder", "-p", tiny_mtp_profile, "--depths", "1,2", "--prompts", str(prompts),
+                     "--max-tokens", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "specchat ladder" in text and "speed-up vs target-only" in text and "best depth" in text
+
+
+def test_bad_input_is_one_line(tiny_mtp_profile, capsys):
+    assert cli.main(["ladder", "-p", tiny_mtp_profile, "--depths", "two"]) == 2
+    assert cli.main(["ladder", "-p", "tiny", "--depths", "1-2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "range like 1-6" in err[0] and "no speculative method" in err[1]
+
+
+def test_parse_depths_and_plateau():
+    assert ladder.parse_depths("1-3,5") == [1, 2, 3, 5]
+    with pytest.raises(BackendError):
+        ladder.parse_depths("0-2")

@@ -1,0 +1,115 @@
+"""`specchat train mtp` end to end on a tiny target, and the training head against the engine's head."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from backends.base import Request, Sampling, run_to_summary
+from backends.native.engine import TorchBackend
+from backends.native.mtp import DRAFT_VOCAB, MtpHead, read_mtp
+from backends.speculative.backend import SpeculativeBackend
+from backends.speculative.mtp import MtpDrafter
+from specchat.cli import main
+from tests.native.tiny import CORPUS
+from tests.train.test_train import make_data, profile, tiny  # noqa: F401  (fixtures)
+
+STEPS = 6
+
+
+def train(profile, data, out, *extra) -> int:
+    return main(["train", "mtp", "--data", str(data), "--target", profile, "--out", str(out), "--steps", str(STEPS),
+                 "--batch-tokens", "64", "--checkpoint-every", "2", "--eval-every", "3", "--seed", "5",
+                 "--draft-vocab", "200", "--top-k", "8", "--threads", "1", *extra])
+
+
+@pytest.fixture(scope="module")
+def mtp_trained(tiny, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("mtp")
+    mp = pytest.MonkeyPatch()
+    for var in ("SPECCHAT_CONFIG_DIR", "SPECCHAT_DATA_DIR", "SPECCHAT_PROFILES_DIR"):
+        mp.setenv(var, str(root / var.lower()))
+    profiles = root / "specchat_profiles_dir"
+    profiles.mkdir()
+    (profiles / "tiny.yaml").write_text(f"backend: torch\nmodel: {tiny[1]}\ndtype: float32\nthreads: 1\ncontext: 256\n")
+    make_data(tiny, "tiny", root / "data")
+    assert train("tiny", root / "data", root / "head") == 0
+    yield root, root / "data", root / "head"
+    mp.undo()
+
+
+def test_trained_head_is_a_deepseek_layout_head_with_a_draft_vocabulary(tiny, mtp_trained):  # noqa: F811
+    _, _, head_dir = mtp_trained
+    target = TorchBackend(tiny[1], "hf_dir", precision="float32", threads=1, context=256)
+    w = read_mtp(head_dir, target.model.cfg)
+    assert w.layout.name == "deepseek" and len(w.layers) == 1 and w.hidden_source == "post_norm"
+    assert w.draft_vocab is not None and len(w.draft_vocab) == 200
+    tensors = load_file(str(head_dir / "model.safetensors"))
+    n = target.model.cfg.n_layers
+    assert f"model.layers.{n}.eh_proj.weight" in tensors and DRAFT_VOCAB in tensors
+    card = (head_dir / "README.md").read_text()
+    assert "specchat train mtp" in card and "held-out" in card
+    log = [json.loads(line) for line in (head_dir / "train-log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, STEPS + 1)) and "eval_agree" in log[-1]
+
+
+def test_speculative_with_trained_head_equals_target_only(tiny, mtp_trained):  # noqa: F811
+    target = TorchBackend(tiny[1], "hf_dir", precision="float32", threads=1, context=256)
+    head = MtpHead(read_mtp(mtp_trained[2], target.model.cfg), target.model, 256)
+    request = Request(messages=[{"role": "user", "content": CORPUS[0]}])
+    for sampling in (Sampling(max_tokens=30), Sampling(temperature=0.8, seed=2, max_tokens=30)):
+        ref = run_to_summary(target.stream(request, sampling))
+        out = run_to_summary(SpeculativeBackend(target, MtpDrafter(head, target.eos_ids), 3).stream(request, sampling))
+        assert out.token_ids == ref.token_ids and out.drafts > 0
+
+
+def test_training_head_computes_what_the_engine_head_computes(tiny, mtp_trained):  # noqa: F811
+    """The batched training form and the engine's incremental MTP head agree on the exported weights."""
+    from backends.native.engine import load_checkpoint
+    from specchat.train.mtp import MtpTrainHead
+
+    target = TorchBackend(tiny[1], "hf_dir", precision="float32", threads=1, context=256)
+    cfg = target.model.cfg
+    tensors = {k: v.float() for k, v in load_file(str(mtp_trained[2] / "model.safetensors")).items()}
+    ck = load_checkpoint(tiny[1], "hf_dir", keep_int4=False)
+    model = MtpTrainHead(cfg, {k: v for k, v in ck.layers[-1].items()}, ck.norm)
+    # the exported (bfloat16-rounded) values, loaded into the training module by name
+    p = f"model.layers.{cfg.n_layers}."
+    with torch.no_grad():
+        model.enorm.copy_(tensors[p + "enorm.weight"])
+        model.hnorm.copy_(tensors[p + "hnorm.weight"])
+        model.eh_proj.copy_(tensors[p + "eh_proj.weight"])
+        model.norm.copy_(tensors[p + "shared_head.norm.weight"])
+        names = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+                 "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+                 "down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
+                 "mlp_norm": "post_attention_layernorm.weight"}
+        for k, name in names.items():
+            model.layer[k].copy_(tensors[p + name])
+    head = MtpHead(read_mtp(mtp_trained[2], cfg), target.model, 64)
+    torch.manual_seed(1)
+    hidden = torch.randn(7, cfg.dim)
+    nxt = torch.randint(0, cfg.vocab_size, (7,))
+    want = head.forward(hidden, nxt, 0)
+    emb = target.model.embed
+    with torch.no_grad():
+        got, got2 = model(hidden[None], emb[nxt][None], emb[nxt[1:]][None])
+    assert torch.allclose(got[0], want, atol=1e-4), (got[0] - want).abs().max()
+    # depth 2, as drafting does it: after the real entries 0..t, the head's own g[t] with x[t+2] at entry t+1
+    for t in (0, 3, 5):
+        head.forward(hidden[:t + 1], nxt[:t + 1], 0)
+        want2 = head.forward(want[t:t + 1], nxt[t + 1:t + 2], t + 1)
+        assert torch.allclose(got2[0, t], want2[0], atol=1e-4), (t, (got2[0, t] - want2[0]).abs().max())
+
+
+def test_training_is_deterministic_and_resumable(tiny, mtp_trained, profile, tmp_path, capsys):  # noqa: F811
+    root, data, reference = mtp_trained
+    out = tmp_path / "resumed"
+    assert train(profile, data, out, "--stop-at", "3") == 0
+    assert not (out / "model.safetensors").exists()
+    assert train(profile, data, out) == 0
+    assert "resuming from step 3" in capsys.readouterr().err
+    want, got = load_file(str(reference / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
