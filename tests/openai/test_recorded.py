@@ -194,7 +194,8 @@ def test_listing_profiles_never_connects(monkeypatch, capsys):
     monkeypatch.setattr(httpx.Client, "__init__", refuse)
     assert cli.main(["profiles", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert not listed["errors"]
+    # as in test_shipped_profiles_all_load: only a drafter not trained yet may be missing
+    assert all("no drafter at" in msg and "specchat train" in msg for msg in listed["errors"].values())
     remote = {n: p for n, p in listed["profiles"].items() if p["backend"] == "openai"}
     assert {"smollm2-server", "vllm-qwen3-8b-dflash", "sglang-qwen3-8b-dflash", "vllm-mimo-7b-mtp"} <= set(remote)
     assert all("Server:" in p["description"] for p in remote.values())  # each says how to start its server
