@@ -1,7 +1,7 @@
 """The line REPL through prompt-toolkit's pipe input and DummyOutput."""
-import _thread
 import io
 import os
+import signal
 import threading
 from pathlib import Path
 
@@ -120,7 +120,8 @@ def test_ctrl_c_stops_reply_and_stays(profiles):
     repl, out, cm = make({"spec": spec}, "")
     try:
         assert repl.load("spec")
-        timer = threading.Timer(0.15, _thread.interrupt_main)
+        # a real SIGINT (not _thread.interrupt_main) also wakes a main thread blocked in a wait
+        timer = threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGINT))
         timer.start()
         repl.ask("go")
         timer.join()
