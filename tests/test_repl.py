@@ -118,6 +118,9 @@ def test_ctrl_c_stops_reply_and_stays(profiles):
     long = " ".join(f"w{i}" for i in range(300))
     spec = ScriptedBackend([long, "after"], delay=0.01)
     repl, out, cm = make({"spec": spec}, "")
+    # Ctrl-C as in a fresh `specchat repl` process: Python's own handler (a Textual app run earlier in
+    # this test process leaves SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         assert repl.load("spec")
         # a real SIGINT (not _thread.interrupt_main) also wakes a main thread blocked in a wait
@@ -131,4 +134,5 @@ def test_ctrl_c_stops_reply_and_stays(profiles):
         repl.ask("next")  # still usable
         assert repl.conv.last_reply == "after"
     finally:
+        signal.signal(signal.SIGINT, previous)
         cm.__exit__(None, None, None)
