@@ -31,7 +31,8 @@ from torch import nn
 from backends.base import BackendError
 from backends.native.model import FINAL, ModelConfig, rope_inv_freq
 from backends.native.mtp import DRAFT_VOCAB
-from specchat.train.draft import LOG, STATE_DIR, data_info_of, load_examples, lr_at, schedule, split, target_source
+from specchat.train.draft import (LOG, STATE_DIR, data_command, data_info_of, load_examples, lr_at, schedule,
+                                  split, target_source)
 from specchat.train.progress import bar
 
 
@@ -398,13 +399,7 @@ def export(model: MtpTrainHead, tcfg: ModelConfig, vocab, cfg: MtpTrainConfig, o
 
 
 def retrain_command(profile, data: list[Path], out: Path, info: dict, cfg: MtpTrainConfig) -> str:
-    parts = []
-    if info:
-        gen = (f"specchat train data --target {profile.name} --prompts {' '.join(info['prompt_files'])} "
-               f"--out {data[0]} --max-tokens {info['max_tokens']} --top-k {info['top_k']}")
-        if info.get("temperature"):
-            gen += f" --temperature {info['temperature']} --seed {info['seed']}"
-        parts.append(gen)
+    parts = data_command(profile, data, info)
     parts.append(f"specchat train mtp --data {' '.join(map(str, data))} --target {profile.name} --out {out} "
                  f"--steps {cfg.steps} --batch-tokens {cfg.batch_tokens} --lr {cfg.lr} --top-k {cfg.top_k} "
                  f"--draft-vocab {cfg.draft_vocab} --hidden-source {cfg.hidden_source} --kl-weight {cfg.kl_weight} "
