@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from backends.base import BackendError
 from backends.native.model import FINAL, ModelConfig
 from backends.speculative.dflash import FULL, DFlashConfig, DFlashModel, build_target_layer_ids, check_fits
-from specchat.train.draft import (LOG, STATE_DIR, Example, data_command, data_info_of, load_examples, lr_at, schedule,
-                                  split)
+from specchat.train.draft import (LOG, Example, TrainState, data_command, data_info_of, load_examples, lr_at,
+                                  schedule, split)
 from specchat.train.progress import bar
 
 
@@ -256,18 +256,13 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
         raise BackendError(f"--block-size {shape.block_size}: a block needs at least 2 positions")
     dcfg = drafter_config(shape, t, mask_id)
     check_fits(dcfg, t, "--target-layers / --mask-token-id")
-    state_dir = out / STATE_DIR
-    state_dir.mkdir(parents=True, exist_ok=True)
     settings = {"shape": asdict(shape) | {"target_layers": dcfg.target_layer_ids, "mask_token_id": mask_id},
                 "train": {k: v for k, v in asdict(cfg).items() if k not in
                           ("stop_at", "checkpoint_every", "eval_every", "threads")},
                 "data": [str(d) for d in data], "target": profile.name, "samples": len(examples)}
-    ckpt = state_dir / "checkpoint.pt"
-    resumed = torch.load(ckpt, weights_only=False) if ckpt.exists() else None
-    if resumed and resumed["settings"] != settings:
-        raise BackendError(f"{out}: holds a training run with other settings; use another --out or delete {state_dir}")
+    state = TrainState(out, settings)  # refuses a run with other settings before the costly features
     keys = tuple(FINAL if i == t.n_layers - 1 else i for i in dcfg.target_layer_ids)
-    feats = target_features(engine, train_set + eval_set, keys, state_dir / "features.safetensors", say)
+    feats = target_features(engine, train_set + eval_set, keys, state.dir / "features.safetensors", say)
     train_feats, eval_feats = feats[:len(train_set)], feats[len(train_set):]
     embed, head = engine.model.embed.float(), engine.model.head.weight.float()  # frozen
     engine.close()
@@ -278,26 +273,12 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    step, wall = 0, 0.0
-    if resumed:
-        model.load_state_dict(resumed["model"])
-        opt.load_state_dict(resumed["opt"])
-        step, wall = resumed["step"], resumed["wall_s"]
-        say(f"resuming from step {step} ({wall:.0f}s trained so far)")
-    log_path = out / LOG
-    if step == 0 and log_path.exists():
-        log_path.unlink()
+    step, wall = state.restore(model, opt, say)
     plan = schedule(len(train_set), [len(e.tokens) for e in train_set], cfg.batch_tokens, cfg.seed, cfg.steps)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"DFlash drafter: {shape.layers} layer(s), block {dcfg.block_size}, target layers {dcfg.target_layer_ids}, "
         f"mask token {mask_id}, {n_params / 1e6:.1f}M parameters; {len(train_set)} training / {len(eval_set)} "
         "held-out samples")
-
-    def save_ckpt() -> None:
-        tmp = ckpt.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "wall_s": wall,
-                    "settings": settings}, tmp)
-        tmp.replace(ckpt)
 
     def held_out() -> dict:
         return evaluate(model, embed, head, eval_set, eval_feats, dcfg, cfg)
@@ -330,15 +311,14 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
             last |= {"lr": lr_at(step - 1, cfg), "wall_s": round(wall, 1)}
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 last |= held_out()
-            with open(log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(last) + "\n")
+            state.log(last)
             update(status=f"loss {last.get('loss', math.nan):.3f} agree {last.get('agree', math.nan):.2f}"
                    + (f" held-out {last['eval_tokens_per_pass']:.2f} tok/pass"
                       if "eval_tokens_per_pass" in last else ""))
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                save_ckpt()
+                state.save(model, opt, step, wall)
             if cfg.stop_at is not None and cfg.stop_at <= step < cfg.steps:
-                save_ckpt()
+                state.save(model, opt, step, wall)
                 say(f"stopped at step {step} (resume by running the same command)")
                 return last
             started = time.perf_counter()

@@ -230,6 +230,44 @@ def evaluate(model, examples: list[Example], cfg: TrainConfig) -> dict:
 
 # ---- training ----
 
+class TrainState:
+    """A run's state in OUT/.train/checkpoint.pt (model, optimiser, step, wall time) and its log.
+
+    A checkpoint made with other settings is refused as soon as the run is set up; a fresh run
+    starts a fresh log."""
+
+    def __init__(self, out: Path, settings: dict):
+        self.settings = settings
+        self.dir = out / STATE_DIR
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "checkpoint.pt"
+        self.log_path = out / LOG
+        self.saved = torch.load(self.path, weights_only=False) if self.path.exists() else None
+        if self.saved is not None and self.saved["settings"] != settings:
+            raise BackendError(f"{out}: holds a training run with other settings; use another --out or delete "
+                               f"{self.dir}")
+
+    def restore(self, model, opt, say) -> tuple[int, float]:
+        """(step, wall seconds) to continue from, with model and optimiser loaded."""
+        if self.saved is None:
+            self.log_path.unlink(missing_ok=True)
+            return 0, 0.0
+        model.load_state_dict(self.saved["model"])
+        opt.load_state_dict(self.saved["opt"])
+        say(f"resuming from step {self.saved['step']} ({self.saved['wall_s']:.0f}s trained so far)")
+        return self.saved["step"], self.saved["wall_s"]
+
+    def save(self, model, opt, step: int, wall: float) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "wall_s": wall,
+                    "settings": self.settings}, tmp)
+        tmp.replace(self.path)
+
+    def log(self, rec: dict) -> None:
+        with open(self.log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     warm = max(1, int(cfg.steps * cfg.warmup))
     if step < warm:
@@ -278,8 +316,6 @@ def train_draft(profile, data: list[Path], out: Path, shape: DraftShape, cfg: Tr
     embed, tcfg, tokenizer = target_parts(profile)
     if max(int(e.tokens.max()) for e in examples) >= embed.shape[0]:
         raise BackendError(f"{data[0]}: token ids beyond the target's vocabulary; was it made with another target?")
-    state_dir = out / STATE_DIR
-    state_dir.mkdir(parents=True, exist_ok=True)
     settings = {"shape": asdict(shape), "train": {k: v for k, v in asdict(cfg).items() if k not in
                                                    ("stop_at", "checkpoint_every", "eval_every", "threads")},
                 "data": [str(d) for d in data], "target": profile.name, "samples": len(examples)}
@@ -296,34 +332,12 @@ def train_draft(profile, data: list[Path], out: Path, shape: DraftShape, cfg: Tr
     del embed
     model.get_input_embeddings().weight.requires_grad_(not cfg.freeze_embedding)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    step, wall = 0, 0.0
-    ckpt = state_dir / "checkpoint.pt"
-    if ckpt.exists():
-        st = torch.load(ckpt, weights_only=False)
-        if st["settings"] != settings:
-            raise BackendError(f"{out}: holds a training run with other settings; use another --out or delete "
-                               f"{state_dir}")
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        step, wall = st["step"], st["wall_s"]
-        say(f"resuming from step {step} ({wall:.0f}s trained so far)")
-    log_path = out / LOG
-    if step == 0 and log_path.exists():
-        log_path.unlink()
+    state = TrainState(out, settings)
+    step, wall = state.restore(model, opt, say)
     plan = schedule(len(train_set), [len(e.tokens) for e in train_set], cfg.batch_tokens, cfg.seed, cfg.steps)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"draft model: {shape.layers} layers, hidden {shape.hidden}, {n_params / 1e6:.1f}M parameters; "
         f"{len(train_set)} training / {len(eval_set)} held-out samples")
-
-    def log(rec: dict) -> None:
-        with open(log_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
-
-    def save_ckpt() -> None:
-        tmp = ckpt.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "wall_s": wall,
-                    "settings": settings}, tmp)
-        tmp.replace(ckpt)
 
     model.train()
     started = time.perf_counter()
@@ -345,13 +359,13 @@ def train_draft(profile, data: list[Path], out: Path, shape: DraftShape, cfg: Tr
                     "lr": lr_at(step - 1, cfg), "wall_s": round(wall, 1)}
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 last |= evaluate(model, eval_set, cfg)
-            log(last)
+            state.log(last)
             update(status=f"loss {last['loss']:.3f} agree {last['agree']:.2f}"
                    + (f" held-out {last['eval_agree']:.2f}" if "eval_agree" in last else ""))
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                save_ckpt()
+                state.save(model, opt, step, wall)
             if cfg.stop_at is not None and step >= cfg.stop_at and step < cfg.steps:
-                save_ckpt()
+                state.save(model, opt, step, wall)
                 say(f"stopped at step {step} (resume by running the same command)")
                 return last
             started = time.perf_counter()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -31,8 +30,8 @@ from torch import nn
 from backends.base import BackendError
 from backends.native.model import FINAL, ModelConfig, rope_inv_freq
 from backends.native.mtp import DRAFT_VOCAB
-from specchat.train.draft import (LOG, STATE_DIR, data_command, data_info_of, load_examples, lr_at, schedule,
-                                  split, target_source)
+from specchat.train.draft import (LOG, STATE_DIR, TrainState, data_command, data_info_of, load_examples, lr_at,
+                                  schedule, split, target_source)
 from specchat.train.progress import bar
 
 
@@ -267,7 +266,6 @@ def evaluate(model, head_w, seqs, embed, to_sub, cfg) -> dict:
 
 def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=print) -> dict:
     from backends.native.engine import load_checkpoint, physical_cores
-    from backends.native.tokenizer import ChatTokenizer
     from backends.native.weights import Int4Rows
 
     if profile.backend != "torch":
@@ -314,30 +312,12 @@ def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=pri
     settings = {"train": {k: v for k, v in asdict(cfg).items() if k not in ("stop_at", "checkpoint_every",
                                                                             "eval_every", "threads")},
                 "data": [str(d) for d in data], "target": profile.name, "samples": len(examples)}
-    step, wall = 0, 0.0
-    ckpt = state_dir / "checkpoint.pt"
-    if ckpt.exists():
-        st = torch.load(ckpt, weights_only=False)
-        if st["settings"] != settings:
-            raise BackendError(f"{out}: holds a training run with other settings; use another --out or delete "
-                               f"{state_dir}")
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        step, wall = st["step"], st["wall_s"]
-        say(f"resuming from step {step} ({wall:.0f}s trained so far)")
-    log_path = out / LOG
-    if step == 0 and log_path.exists():
-        log_path.unlink()
+    state = TrainState(out, settings)
+    step, wall = state.restore(model, opt, say)
     plan = schedule(len(train_seqs), [len(s.hidden) for s in train_seqs], cfg.batch_tokens, cfg.seed, cfg.steps)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"MTP head: {n_params / 1e6:.1f}M parameters; {len(train_seqs)} training / {len(eval_seqs)} held-out "
         f"sequences ({sum(len(s.hidden) for s in train_seqs)} training entries)")
-
-    def save_ckpt() -> None:
-        tmp = ckpt.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "wall_s": wall,
-                    "settings": settings}, tmp)
-        tmp.replace(ckpt)
 
     model.train()
     started = time.perf_counter()
@@ -363,14 +343,13 @@ def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=pri
                    "lr": lr_at(step - 1, cfg), "wall_s": round(wall, 1)}
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 rec |= evaluate(model, head_w, eval_seqs, embed, to_sub, cfg)
-            with open(log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
+            state.log(rec)
             update(status=f"loss {rec['loss']:.3f} agree {rec['agree']:.2f}"
                    + (f" held-out {rec['eval_agree']:.2f}" if "eval_agree" in rec else ""))
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                save_ckpt()
+                state.save(model, opt, step, wall)
             if cfg.stop_at is not None and cfg.stop_at <= step < cfg.steps:
-                save_ckpt()
+                state.save(model, opt, step, wall)
                 say(f"stopped at step {step} (resume by running the same command)")
                 return rec
             started = time.perf_counter()
