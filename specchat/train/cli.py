@@ -18,7 +18,7 @@ def cmd_data(args) -> int:
         profile = profile.model_copy(update={"threads": args.threads})
     make_data(profile, args.prompts, Path(args.out), max_tokens=args.max_tokens, limit=args.limit,
               top_k=args.top_k, temperature=args.temperature, seed=args.seed, instances=args.instances,
-              say=_say)
+              variants=args.variants, batch=args.batch, say=_say)
     return 0
 
 
@@ -95,6 +95,12 @@ def add_train_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--instances", action="store_true",
                    help="every self-instruct instance input becomes its own prompt")
+    p.add_argument("--variants", action="store_true",
+                   help="also derived prompts per self-instruct task: summarise, translate, answer from a "
+                        "document, rewrite, explain, key points, continue")
+    p.add_argument("--batch", type=int, default=1,
+                   help="N > 1: decode N replies at once with transformers' float32 model of the target "
+                        "(about 3x faster at 48; replies may part from the engine's at near-ties)")
     p.add_argument("--threads", type=int, help="override the profile's threads (1 is fastest on a busy machine)")
     p.set_defaults(func=cmd_data)
 

@@ -29,11 +29,15 @@ MANIFEST = "manifest.jsonl"
 INFO = "info.json"
 
 
-def training_prompts(files: list[str], limit: int | None = None, instances: bool = False) -> list[PromptItem]:
+def training_prompts(files: list[str], limit: int | None = None, instances: bool = False,
+                     variants: bool = False) -> list[PromptItem]:
     """Prompts from jsonl files; Spec-Bench (evaluation only) is refused.
 
-    With `instances`, every instance input of a self-instruct task becomes its own prompt.
+    With `instances`, every instance input of a self-instruct task becomes its own prompt; with
+    `variants`, the prompts derived from each task (specchat/train/variants.py) follow its own.
     """
+    from specchat.train.variants import derived_prompts
+
     items: list[PromptItem] = []
     for f in files:
         path = Path(f)
@@ -49,6 +53,8 @@ def training_prompts(files: list[str], limit: int | None = None, instances: bool
         if instances and path.suffix == ".jsonl":
             loaded = _instance_prompts(path) or loaded
         items += [PromptItem(f"{tag}:{it.id}", it.turns, it.category) for it in loaded]
+        if variants and path.suffix == ".jsonl":
+            items += derived_prompts(path, tag)
     if limit:
         items = items[:limit]
     return items
@@ -152,24 +158,26 @@ def read_manifest(out: Path) -> list[dict]:
 
 def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128, limit: int | None = None,
               top_k: int = 32, temperature: float = 0.0, seed: int = 0, instances: bool = False,
-              shard_size: int = 32, say=print) -> dict:
-    from backends.native.engine import TorchBackend
-    from specchat.loading import messages_for
+              shard_size: int = 32, variants: bool = False, batch: int = 1, say=print) -> dict:
+    """batch > 1: replies come from transformers' float32 model of the target in batches of that
+    size (specchat/train/batched.py), about 3x faster than the engine's one-at-a-time decoding."""
 
     if profile.backend != "torch":
         raise BackendError(f"profile '{profile.name}' uses backend '{profile.backend}'; training data needs "
                            "the torch engine (backend: torch)")
-    prompts = training_prompts(prompt_files, limit, instances)
+    prompts = training_prompts(prompt_files, limit, instances, variants)
     if not prompts:
         raise BackendError("no training prompts found in " + ", ".join(prompt_files))
     out.mkdir(parents=True, exist_ok=True)
     info = {"target": profile.name, "model": profile.model, "max_tokens": max_tokens, "top_k": top_k,
             "temperature": temperature, "seed": seed, "prompt_files": [str(f) for f in prompt_files],
-            "instances": instances}
+            "instances": instances, "variants": variants,
+            "generator": "engine" if batch <= 1 else "transformers float32, batched"}
     info_path = out / INFO
     if info_path.exists():
         old = json.loads(info_path.read_text())
-        keep = ("target", "max_tokens", "top_k", "temperature", "seed")
+        old.setdefault("generator", "engine")
+        keep = ("target", "max_tokens", "top_k", "temperature", "seed", "generator")
         if any(old.get(k) != info[k] for k in keep):
             raise BackendError(f"{out}: holds data made with other settings "
                                f"({ {k: old.get(k) for k in keep} }); use another --out")
@@ -179,12 +187,27 @@ def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128
     say(f"{len(prompts)} prompts, {len(prompts) - len(todo)} already in {out}, {len(todo)} to generate")
     if not todo:
         return info
-    engine = TorchBackend.from_profile(profile)
     sampling = Sampling(temperature=temperature, seed=seed, max_tokens=max_tokens)
     writer = ShardWriter(out, shard_size)
+    started = time.perf_counter()
+    run = _answer_batched if batch > 1 else _answer_one_by_one
+    try:
+        n_tokens = run(profile, todo, sampling, top_k, writer, len(prompts), batch)
+    finally:
+        writer.flush()
+    say(f"{len(todo)} replies, {n_tokens} tokens in {time.perf_counter() - started:.0f}s -> {out}")
+    return info
+
+
+def _answer_one_by_one(profile, todo: list[PromptItem], sampling: Sampling, top_k: int, writer: ShardWriter,
+                       total: int, batch: int) -> int:
+    from backends.native.engine import TorchBackend
+    from specchat.loading import messages_for
+
+    engine = TorchBackend.from_profile(profile)
     started, n_tokens = time.perf_counter(), 0
     try:
-        with bar("target answers", len(prompts), len(prompts) - len(todo)) as update:
+        with bar("target answers", total, total - len(todo)) as update:
             for item in todo:
                 prompt = engine.tokenize_chat(messages_for(profile, [{"role": "user", "content": item.first}]))
                 if len(prompt) + 2 > engine.context_length:
@@ -196,7 +219,40 @@ def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128
                 n_tokens += len(sample.reply)
                 update(status=f"{n_tokens / (time.perf_counter() - started):.0f} tok/s")
     finally:
-        writer.flush()
         engine.close()
-    say(f"{len(todo)} replies, {n_tokens} tokens in {time.perf_counter() - started:.0f}s -> {out}")
-    return info
+    return n_tokens
+
+
+def _answer_batched(profile, todo: list[PromptItem], sampling: Sampling, top_k: int, writer: ShardWriter,
+                    total: int, batch: int) -> int:
+    from backends.hf_reference import load_hf_model
+    from backends.native.engine import physical_cores
+    from backends.native.tokenizer import ChatTokenizer
+    from specchat.loading import messages_for
+    from specchat.models import resolve_model
+    from specchat.train.batched import generate_batch
+
+    ref = resolve_model(profile.model, profile.base_dir)
+    if ref.kind == "hub":
+        raise BackendError("--batch needs a local model file or directory (the profile names a hub id)")
+    torch.set_num_threads(profile.threads or physical_cores())
+    model = load_hf_model(ref.path)
+    tokenizer = ChatTokenizer(ref.path)
+    eos = tokenizer.eos_ids
+    prompts = []
+    for item in todo:
+        ids = tokenizer.encode_chat(messages_for(profile, [{"role": "user", "content": item.first}]))
+        if len(ids) + sampling.max_tokens <= profile.context:
+            prompts.append((item.id, ids))
+    prompts.sort(key=lambda p: len(p[1]))  # similar lengths together: little padding
+    started, n_tokens = time.perf_counter(), 0
+    with bar("target answers", total, total - len(todo)) as update:
+        for at in range(0, len(prompts), batch):
+            chunk = prompts[at:at + batch]
+            for (pid, _), sample in zip(chunk, generate_batch(model, [ids for _, ids in chunk], sampling,
+                                                               min(top_k, model.config.vocab_size), eos, min(eos))):
+                sample.id = pid
+                writer.add(sample)
+                n_tokens += len(sample.reply)
+            update(len(chunk), status=f"{n_tokens / (time.perf_counter() - started):.0f} tok/s")
+    return n_tokens

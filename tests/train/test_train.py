@@ -83,6 +83,51 @@ def test_data_is_resumable_and_complete(tiny, profile, tmp_path, capsys):
     assert (top[:, 0] == reply).all()  # greedy: the reply token is the target's top-1
 
 
+def _replies(out: Path) -> dict[str, list[int]]:
+    manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    replies = {}
+    for m in manifest:
+        tokens = load_file(str(out / m["shard"]))["tokens"]
+        start = m["offset"] + m["prompt_len"]
+        replies[m["id"]] = tokens[start:start + m["reply_len"]].tolist()
+    return replies
+
+
+def test_batched_data_gives_the_same_greedy_replies(tiny, profile, tmp_path):
+    """--batch decodes left-padded prompts together with transformers' model of the same weights:
+    the same greedy replies as the engine's one-by-one decoding (float32 target)."""
+    make_data(tiny, profile, tmp_path / "one")
+    args = ["train", "data", "--target", profile, "--prompts", str(tiny[2]), "--out", str(tmp_path / "batched"),
+            "--max-tokens", "12", "--top-k", "8", "--batch", "4"]
+    assert main(args) == 0
+    one, batched = _replies(tmp_path / "one"), _replies(tmp_path / "batched")
+    assert batched == one
+    info = json.loads((tmp_path / "batched" / "info.json").read_text())
+    assert info["generator"].startswith("transformers")
+    # resuming with the other generator would mix two kinds of reply in one directory
+    args[args.index("--out") + 1] = str(tmp_path / "one")
+    assert main(args) == 2
+
+
+def test_variants_derive_prompts_from_each_task(tmp_path):
+    from specchat.train.data import training_prompts
+
+    doc = "The quick brown fox jumps over the lazy dog. " * 3
+    f = tmp_path / "tasks.jsonl"
+    f.write_text(json.dumps({"id": "t1", "instruction": "Name the animals.", "instances": [{"input": doc, "output": "fox, dog"}]})
+                 + "\n" + json.dumps({"id": "t2", "instruction": "Say hi.", "instances": [{"input": "", "output": "hi"}]})
+                 + "\n")
+    plain = training_prompts([str(f)])
+    items = training_prompts([str(f)], variants=True)
+    assert [p.id for p in plain] == ["tasks:t1", "tasks:t2"]
+    kinds = {p.id for p in items} - {p.id for p in plain}
+    assert {"tasks:t1~summary", "tasks:t1~translate", "tasks:t1~document", "tasks:t1~explain",
+            "tasks:t2~explain"} <= kinds
+    assert not any(k.startswith("tasks:t2~summary") for k in kinds)  # no document long enough
+    by_id = {p.id: p.first for p in items}
+    assert doc.strip() in by_id["tasks:t1~summary"] and "Name the animals." in by_id["tasks:t1~document"]
+
+
 def test_data_refuses_spec_bench(profile, tmp_path, capsys):
     bench = tmp_path / "question.jsonl"
     bench.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["hi"]}) + "\n")

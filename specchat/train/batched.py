@@ -1,0 +1,60 @@
+"""Batched reply generation for `specchat train data --batch N`.
+
+The torch engine decodes one sequence at a time (about 45 tok/s for SmolLM2-135M on 2 cores);
+distillation data wants hundreds of thousands of tokens. transformers' model of the same
+checkpoint (a GGUF dequantized to float32) decodes a left-padded batch in one pass per step,
+about 3x the engine's rate at batch 48 here. Tokens are chosen by the engine's own
+position-keyed sampler, and the stored top-k log-probabilities are this model's.
+
+These replies are the float32 model's, not the engine's int4 arithmetic: greedy replies can part
+from the engine's at a near-tie. A drafter only needs replies typical of the target; the
+training steps recompute the target's hidden states and labels with the engine.
+"""
+from __future__ import annotations
+
+import torch
+
+from backends.base import Sampling
+from backends.hf_reference import _cache_kwargs
+from backends.native import sampling as sampler
+from specchat.train.data import Sample
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: list[list[int]], sampling: Sampling, top_k: int, eos_ids: frozenset[int],
+                   pad_id: int) -> list[Sample]:
+    """Replies to `prompts` (token ids), decoded together until each ends or reaches max_tokens."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    logits = out.logits[:, -1].float()
+    replies: list[list[int]] = [[] for _ in prompts]
+    top_ids: list[list[torch.Tensor]] = [[] for _ in prompts]
+    top_logp: list[list[torch.Tensor]] = [[] for _ in prompts]
+    stops = [""] * B
+    for step in range(sampling.max_tokens):
+        logp = torch.log_softmax(logits, dim=-1)
+        v, i = logp.topk(top_k, dim=-1)
+        chosen = sampler.sample(logits, [len(p) + step for p in prompts], sampling)
+        for r in range(B):
+            if stops[r]:
+                continue
+            token = int(chosen[r])
+            replies[r].append(token)
+            top_ids[r].append(i[r].to(torch.int32))
+            top_logp[r].append(v[r].to(torch.float16))
+            if token in eos_ids:
+                stops[r] = "eos"
+            elif len(replies[r]) >= sampling.max_tokens:
+                stops[r] = "max_tokens"
+        if all(stops):
+            break
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
+                    **_cache_kwargs(out))
+        logits = out.logits[:, -1].float()
+    return [Sample("", list(p), reply, torch.stack(ti), torch.stack(tl), stop or "max_tokens")
+            for p, reply, ti, tl, stop in zip(prompts, replies, top_ids, top_logp, stops)]
