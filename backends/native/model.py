@@ -133,6 +133,46 @@ class Linear(nn.Module):
         return torch.cat([F.linear(pair, self.weight) for pair in x.split(2)])[:K]
 
 
+ATTENTION_PAD = 64  # single-token passes attend over the cache rounded up to this many keys
+
+
+def padded_span(end: int, max_len: int) -> int:
+    """How many cache positions a single-token pass at position end - 1 attends over (the rest masked).
+
+    CPU attention's reductions depend on the number of keys, so a verify row can only match a
+    single-token pass bit for bit if both see the same key count; padding lets rows of a block
+    that share a count go through one batched call instead of one call each."""
+    return min(-(-end // ATTENTION_PAD) * ATTENTION_PAD, max_len)
+
+
+def key_mask(ends: Tensor, n_keys: int) -> Tensor:
+    """Additive mask [len(ends), 1, 1, n_keys]: row i sees keys [0, ends[i])."""
+    visible = torch.arange(n_keys, device=ends.device)[None, :] < ends[:, None]
+    return torch.zeros(visible.shape, device=ends.device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+
+
+def exact_row_groups(start: int, K: int, max_len: int, device: torch.device) -> list[tuple]:
+    """Rows start..start+K-1 grouped by their single-token key count: (lo, hi, n_keys, mask)."""
+    ends = list(range(start + 1, start + K + 1))
+    groups, lo = [], 0
+    while lo < K:
+        n_keys = padded_span(ends[lo], max_len)
+        hi = lo
+        while hi < K and padded_span(ends[hi], max_len) == n_keys:
+            hi += 1
+        groups.append((lo, hi, n_keys, key_mask(torch.tensor(ends[lo:hi], device=device), n_keys)))
+        lo = hi
+    return groups
+
+
+def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: Tensor, gqa: bool) -> Tensor:
+    """q [H, n, hd] as n one-row queries (a batch of n) over cache[:n_keys]; returns [1, H, n, hd]."""
+    n = q.shape[1]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(2), cache_k[:, :, :n_keys].expand(n, -1, -1, -1),
+                                         cache_v[:, :, :n_keys].expand(n, -1, -1, -1), attn_mask=mask, enable_gqa=gqa)
+    return out[:, :, 0].transpose(0, 1).unsqueeze(0)
+
+
 class KVCache:
     """Per-layer preallocated keys and values; `length` is how many positions are valid."""
 
@@ -159,9 +199,11 @@ class Block(nn.Module):
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
 
     def forward(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, write: slice | Tensor, span: int,
-                cos: Tensor, sin: Tensor, mask: Tensor | None, dtype: torch.dtype, exact_rows: bool = False) -> Tensor:
+                cos: Tensor, sin: Tensor, mask: Tensor | None, dtype: torch.dtype,
+                row_groups: list[tuple] | None = None) -> Tensor:
         """x: the float32 residual stream [K, dim], updated in place and returned. The new keys and
-        values go to cache positions `write`; attention reads cache positions [0, span)."""
+        values go to cache positions `write`; attention reads cache positions [0, span) under `mask`,
+        or, with `row_groups` (see `exact_row_groups`), each row as a single-token pass would."""
         cfg = self.cfg
         K, H, Hkv, hd, eps = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         h = F.rms_norm(x, (cfg.dim,), self.attn_norm, eps).to(dtype)
@@ -175,11 +217,9 @@ class Block(nn.Module):
         cache_k[0, :, write] = qk[:, H:].transpose(0, 1)
         cache_v[0, :, write] = v.transpose(0, 1)
         q = qk[:, :H].transpose(0, 1).unsqueeze(0)
-        if exact_rows and K > 1:  # each row exactly as a single-token pass computes it
-            first = span - K
-            a = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], cache_k[:, :, :first + i + 1],
-                                                          cache_v[:, :, :first + i + 1], enable_gqa=H != Hkv)
-                           for i in range(K)], dim=2)
+        if row_groups is not None:  # each row exactly as a single-token pass computes it
+            a = torch.cat([_attend_rows(q[0, :, lo:hi], cache_k, cache_v, n_keys, m, H != Hkv)
+                           for lo, hi, n_keys, m in row_groups], dim=2)
         else:
             a = F.scaled_dot_product_attention(q, cache_k[:, :, :span], cache_v[:, :, :span], attn_mask=mask,
                                                enable_gqa=H != Hkv)
@@ -235,9 +275,10 @@ class Transformer(nn.Module):
         key i is the output of decoder layer i, key FINAL (-1) the final hidden state after the norm.
         Afterwards the cache holds start_pos + K positions.
 
-        exact_rows: compute attention row by row with the single-token call, so that each row is
-        bitwise what K single-token passes give, wherever the matmul kernels are row-invariant
-        (int4 and bfloat16 on CPU are; float32 MKL is not, see ROW_INVARIANT_PRECISIONS in engine.py).
+        exact_rows: compute each row's attention as a single-token pass does (same key count, see
+        `padded_span`), so that each row is bitwise what K single-token passes give, wherever the
+        matmul kernels are row-invariant (int4 and bfloat16 on CPU are; float32 MKL is not, see
+        ROW_INVARIANT_PRECISIONS in engine.py).
         """
         if exact_rows and self.static:
             raise ValueError("exact_rows needs the dynamic (eager) path")
@@ -247,18 +288,20 @@ class Transformer(nn.Module):
             raise ValueError(f"positions {start_pos}..{end} do not fit a cache of length "
                              f"{self.cache.length} / {self.cache.max_len}")
         x = self.embed[tokens.reshape(-1)].float()
+        row_groups = None
         if self.static:
             write = torch.arange(start_pos, end, device=self.device)
             span = self.cache.max_len
             mask = torch.arange(span, device=self.device)[None, :] <= write[:, None]
         else:
-            write, span = slice(start_pos, end), end
-            mask = None
-            if K > 1:
+            write, span, mask = slice(start_pos, end), end, None
+            if K == 1 or exact_rows:
+                row_groups = exact_row_groups(start_pos, K, self.cache.max_len, self.device)
+            else:
                 rows = torch.arange(start_pos, end, device=self.device)[:, None]
                 mask = torch.arange(end, device=self.device)[None, :] <= rows
         x, hidden = self._run_blocks(x, write, span, self.rope_cos[write], self.rope_sin[write], mask,
-                                     tuple(hidden_layers), exact_rows)
+                                     tuple(hidden_layers), row_groups)
         self.cache.length = end
         if FINAL in hidden_layers:
             x = hidden[FINAL] = F.rms_norm(x, (self.cfg.dim,), self.norm, self.cfg.norm_eps)
@@ -268,10 +311,11 @@ class Transformer(nn.Module):
         return self.head(x.to(self.head_dtype)).float(), hidden
 
     def _blocks(self, x: Tensor, write: slice | Tensor, span: int, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                hidden_layers: tuple[int, ...], exact_rows: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
+                hidden_layers: tuple[int, ...], row_groups: list[tuple] | None = None
+                ) -> tuple[Tensor, dict[int, Tensor]]:
         hidden: dict[int, Tensor] = {}
         for i, block in enumerate(self.blocks):
-            x = block(x, self.cache.k[i], self.cache.v[i], write, span, cos, sin, mask, self.dtype, exact_rows)
+            x = block(x, self.cache.k[i], self.cache.v[i], write, span, cos, sin, mask, self.dtype, row_groups)
             if i in hidden_layers:
                 hidden[i] = x.clone()  # x is updated in place by the next layer
         return x, hidden

@@ -7,7 +7,7 @@ import torch
 from backends.base import Sampling
 from backends.hf_reference import load_hf_model
 from backends.native.engine import TorchBackend
-from backends.native.model import FINAL
+from backends.native.model import ATTENTION_PAD, FINAL
 from tests.native.tiny import LAYOUTS
 
 FP32_TOL = 1e-4  # max abs logit difference, float32 vs transformers float32 (logits are O(10))
@@ -107,6 +107,26 @@ def test_static_shapes_path_equals_dynamic_path(tiny_dirs):
     a, _ = dynamic.forward([7], len(ids))
     b, _ = static.forward([7], len(ids))
     assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("context", [256, 70])
+def test_exact_rows_across_an_attention_pad_boundary(tiny_ggufs, context):
+    """Single-token passes attend over the cache rounded up to ATTENTION_PAD keys; a verify block
+    whose rows fall on both sides of a boundary (or of a context capped below it) is computed in
+    groups and must still give each row the bits of a single-token pass."""
+    engine = TorchBackend(tiny_ggufs["Q4_1"], precision="int4", context=context)
+    prefix = [(7 * i) % 50 + 3 for i in range(ATTENTION_PAD - 4)]
+    block = [11, 12, 13, 14, 15, 16, 17, 18, 19]  # positions 60..68: key counts 64 and 128 (or 70)
+    engine.forward(prefix, 0)
+    engine.forward([5] * 8, len(prefix))  # stale keys past the rollback point must stay masked out
+    engine.truncate(len(prefix))
+    block_logits, _ = engine.forward(block, len(prefix), exact_rows=True)
+    engine.truncate(len(prefix))
+    singles = torch.cat([engine.forward([t], len(prefix) + i)[0] for i, t in enumerate(block)])
+    assert torch.equal(block_logits, singles)
+    unpadded = TorchBackend(tiny_ggufs["Q4_1"], precision="int4", context=context)
+    prefill, _ = unpadded.forward(prefix + block, 0)  # one causal pass: bfloat16 activations, other rounding
+    assert (block_logits - prefill[-len(block):]).abs().max() < 0.2
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "int4"])
