@@ -265,6 +265,10 @@ class Transformer(nn.Module):
     def max_len(self) -> int:
         return self.cache.max_len
 
+    @property
+    def runs_int4(self) -> bool:
+        return any(lin.int4 is not None for b in self.blocks for lin in (b.qkv, b.o, b.gate_up, b.down))
+
     @torch.inference_mode()
     def forward(self, tokens: Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
                 all_logits: bool = True, exact_rows: bool = False) -> tuple[Tensor, dict[int, Tensor]]:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from backends.base import BackendError
 from backends.native.model import Block, KVCache, Linear, ModelConfig, Transformer, rope_tables
-from backends.native.weights import _HF_LAYER_NAMES, LAYER_KEYS, build_block
+from backends.native.weights import _HF_LAYER_NAMES, LAYER_KEYS, Int4Rows, build_block, int4_linear, quantize_layer
 
 DRAFT_VOCAB = "specchat.draft_vocab"  # optional int32 tensor: the token ids the head may propose
 
@@ -221,14 +221,18 @@ class MtpHead:
         self.target = target
         dev, dtype = target.device, target.dtype
         self.cfg: ModelConfig = replace(target.cfg, n_layers=1)
+        # on an int4 target the head's matrices run on the same int4 kernel (about 3x faster than
+        # dense on CPU); a drafter's arithmetic changes how often it guesses right, never the output
+        int4 = target.runs_int4
         self.layers = []
         for layer in w.layers:
-            blk = build_block({k: v for k, v in layer.items() if k not in ("embed_norm", "hidden_norm", "proj",
-                                                                              "final_norm")}, dtype, False, dev)
+            body = {k: v for k, v in layer.items() if k not in ("embed_norm", "hidden_norm", "proj", "final_norm")}
+            blk = build_block(quantize_layer(body) if int4 else body, dtype, int4, dev)
+            proj = layer["proj"]
             self.layers.append({
                 "embed_norm": layer["embed_norm"].to(dev), "hidden_norm": layer["hidden_norm"].to(dev),
                 "final_norm": layer["final_norm"].to(dev), "block": Block(self.cfg, blk),
-                "proj": Linear(layer["proj"].to(dev, dtype).contiguous()),
+                "proj": int4_linear(proj) if int4 and Int4Rows.fits(proj) else Linear(proj.to(dev, dtype).contiguous()),
                 "cache": KVCache(self.cfg, max_len, target.cache.k[0].dtype, dev),
             })
         self.dtype = dtype
@@ -236,7 +240,8 @@ class MtpHead:
         self.vocab = None if w.draft_vocab is None else w.draft_vocab.to(dev)
         head_w = target.head.weight
         if self.vocab is not None and head_w is not None:
-            self.head = Linear(head_w[self.vocab].to(dtype).contiguous())
+            sub = head_w[self.vocab]
+            self.head = int4_linear(sub) if int4 and Int4Rows.fits(sub) else Linear(sub.to(dtype).contiguous())
         else:
             self.vocab = None
             self.head = target.head

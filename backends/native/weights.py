@@ -40,6 +40,21 @@ class Int4Rows:
         return (self.q.float() - 8) * expand(self.scale) + expand(self.zero)
 
     @staticmethod
+    def quantize(w: Tensor) -> "Int4Rows":
+        """Round-to-nearest group-wise 4-bit weights for a float matrix [out, in] (in % 32 == 0):
+        each group's range [min, max] in 16 steps."""
+        g = w.float().reshape(w.shape[0], -1, INT4_GROUP)
+        low, high = g.amin(-1), g.amax(-1)
+        scale = ((high - low) / 15).clamp_min(1e-12)
+        q = ((g - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+        return Int4Rows(q.reshape(w.shape), scale, low + 8 * scale)
+
+    @staticmethod
+    def fits(w: Tensor) -> bool:
+        """Whether torch's CPU int4 kernel takes this matrix shape."""
+        return w.dim() == 2 and w.shape[1] % INT4_GROUP == 0 and w.shape[0] % 8 == 0
+
+    @staticmethod
     def cat(parts: list["Int4Rows"]) -> "Int4Rows":
         return Int4Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                         torch.cat([p.zero for p in parts]))
@@ -161,6 +176,14 @@ def _refuse_unknown(path: Path, names: set[str]) -> None:
 
 # ---- building the model ----
 
+def int4_linear(w: Matrix, bias: Tensor | None = None) -> Linear:
+    """A Linear on torch's CPU int4 kernel (bfloat16 in and out); float weights are quantized."""
+    w = w if isinstance(w, Int4Rows) else Int4Rows.quantize(w)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
+    sz = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+    return Linear(None, bias, int4=(packed, sz, INT4_GROUP))
+
+
 def _linear(parts: list[Matrix], biases: list[Tensor | None], dtype: torch.dtype, int4: bool,
             device: torch.device) -> Linear:
     bias = None
@@ -168,10 +191,7 @@ def _linear(parts: list[Matrix], biases: list[Tensor | None], dtype: torch.dtype
         bias = torch.cat([b if b is not None else torch.zeros(_rows(p)) for b, p in zip(biases, parts)])
         bias = bias.to(device, dtype)
     if int4 and all(isinstance(p, Int4Rows) for p in parts):
-        w = Int4Rows.cat(parts) if len(parts) > 1 else parts[0]
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
-        sz = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-        return Linear(None, bias, int4=(packed, sz, INT4_GROUP))
+        return int4_linear(Int4Rows.cat(parts) if len(parts) > 1 else parts[0], bias)
     mats = [p.dequantize() if isinstance(p, Int4Rows) else p for p in parts]
     dense = mats[0] if len(mats) == 1 else torch.cat(mats)  # a tied float32 head shares the embedding
     return Linear(dense.to(device, dtype).contiguous(), bias)
@@ -179,6 +199,16 @@ def _linear(parts: list[Matrix], biases: list[Tensor | None], dtype: torch.dtype
 
 def _rows(m: Matrix) -> int:
     return m.q.shape[0] if isinstance(m, Int4Rows) else m.shape[0]
+
+
+MATRIX_KEYS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def quantize_layer(layer: dict[str, Matrix]) -> dict[str, Matrix]:
+    """The layer with every float matrix the int4 kernel takes quantized to Int4Rows (drafters on
+    an int4 target: their arithmetic never changes what is emitted, only how fast they guess)."""
+    return {k: Int4Rows.quantize(v) if k in MATRIX_KEYS and isinstance(v, Tensor) and Int4Rows.fits(v) else v
+            for k, v in layer.items()}
 
 
 def build_block(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device: torch.device) -> dict:

@@ -142,3 +142,36 @@ def test_builtin_head_of_an_unsupported_model_says_so(tmp_path):
     profile = Profile(name="x", model=str(ckpt), speculative={"method": "mtp"})
     with pytest.raises(BackendError, match=r"MTP head read and valid \(DeepSeek-V3 / GLM-4.5 layout, 1 layer"):
         check_builtin_mtp(profile)
+
+
+def test_head_on_an_int4_target_runs_the_int4_kernel(tiny_dirs, tiny_ggufs, tmp_path):
+    """On an int4 target the head's matrices are quantized to the same kernel (faster guesses);
+    its states stay close to the float head's."""
+    import shutil
+
+    ckpt = shutil.copytree(tiny_dirs["llama"], tmp_path / "with-mtp")
+    add_mtp_head(ckpt, "deepseek", seed=5)
+    int4 = TorchBackend(tiny_ggufs["Q4_1"], precision="int4", threads=1, context=64)
+    dense = TorchBackend(tiny_ggufs["Q4_1"], precision="bfloat16", threads=1, context=64)
+    assert int4.model.runs_int4 and not dense.model.runs_int4
+    heads = [MtpHead(read_mtp(ckpt, e.model.cfg), e.model, 64) for e in (int4, dense)]
+    blk = heads[0].layers[0]["block"]
+    assert all(lin.int4 is not None for lin in (blk.qkv, blk.o, blk.gate_up, blk.down, heads[0].layers[0]["proj"]))
+    torch.manual_seed(0)
+    hidden, tokens = torch.randn(5, int4.model.cfg.dim), torch.tensor([3, 9, 4, 1, 7])
+    g_int4, g_dense = (h.forward(hidden, tokens, 0) for h in heads)
+    assert torch.nn.functional.cosine_similarity(g_int4, g_dense).min() > 0.95
+
+
+def test_int4_quantization_round_trip():
+    from backends.native.weights import Int4Rows, int4_linear
+
+    torch.manual_seed(1)
+    w = torch.randn(16, 64)
+    q = Int4Rows.quantize(w)
+    step = q.scale.repeat_interleave(32, dim=1)
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    x = torch.randn(3, 64)
+    y = int4_linear(w)(x.to(torch.bfloat16)).float()
+    assert torch.allclose(y, x @ q.dequantize().T, atol=0.1, rtol=0.02)
+    assert Int4Rows.fits(w) and not Int4Rows.fits(torch.randn(16, 48))
