@@ -33,7 +33,7 @@ from torch import Tensor
 
 from backends.base import BackendError
 from backends.native.model import Block, KVCache, Linear, ModelConfig, Transformer, rope_tables
-from backends.native.weights import _HF_LAYER_NAMES, LAYER_KEYS, Int4Rows, build_block, int4_linear, quantize_layer
+from backends.native.weights import _HF_LAYER_NAMES, LAYER_KEYS, Int4Rows, build_block, drafting_head, int4_linear, quantize_layer
 
 DRAFT_VOCAB = "specchat.draft_vocab"  # optional int32 tensor: the token ids the head may propose
 
@@ -244,7 +244,7 @@ class MtpHead:
             self.head = int4_linear(sub) if int4 and Int4Rows.fits(sub) else Linear(sub.to(dtype).contiguous())
         else:
             self.vocab = None
-            self.head = target.head
+            self.head = drafting_head(target)
 
     @property
     def n_layers(self) -> int:

@@ -201,6 +201,39 @@ def _rows(m: Matrix) -> int:
     return m.q.shape[0] if isinstance(m, Int4Rows) else m.shape[0]
 
 
+class Int4Module(torch.nn.Module):
+    """An nn.Linear's weights on the int4 kernel, taking and returning the caller's dtype."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.inner = int4_linear(linear.weight.detach().float(),
+                                 None if linear.bias is None else linear.bias.detach().to(torch.bfloat16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x.to(torch.bfloat16)).to(x.dtype)
+
+
+def quantize_module(module: torch.nn.Module) -> torch.nn.Module:
+    """Swap every nn.Linear whose shape the int4 kernel takes for an Int4Module (in place)."""
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.Linear) and Int4Rows.fits(child.weight):
+            setattr(module, name, Int4Module(child))
+        else:
+            quantize_module(child)
+    return module
+
+
+def drafting_head(model: Transformer) -> Linear:
+    """The target's LM head for drafters: on an int4 target, an int4 copy of it (a full-vocabulary
+    head is a drafter's largest cost, and guesses need no float32 logits); else the head itself."""
+    cached = getattr(model, "_drafting_head", None)
+    if cached is None:
+        w = model.head.weight
+        cached = int4_linear(w) if model.runs_int4 and w is not None and Int4Rows.fits(w) else model.head
+        model._drafting_head = cached
+    return cached
+
+
 MATRIX_KEYS = ("q", "k", "v", "o", "gate", "up", "down")
 
 

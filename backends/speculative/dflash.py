@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from backends.base import BackendError, Sampling
 from backends.native.model import FINAL, ModelConfig, rope_inv_freq
 from backends.native.sampling import probs
+from backends.native.weights import drafting_head, quantize_module
 from backends.speculative.loop import Draft, Drafter
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -312,6 +313,9 @@ class DFlashDrafter(Drafter):
         self.device = tm.embed.device
         self.dtype = torch.float32 if self.device.type == "cpu" else tm.dtype
         self.model = model.to(self.device, self.dtype).eval()
+        if tm.runs_int4:  # the target's int4 kernel for the drafter's matrices and head: faster guesses
+            quantize_module(self.model)
+        self.head = drafting_head(tm)
         # the output of the last decoder layer is, as in Hugging Face hidden_states, taken after the final norm
         last = tm.cfg.n_layers - 1
         self.hidden_layers = tuple(FINAL if i == last else i for i in cfg.target_layer_ids)
@@ -358,9 +362,9 @@ class DFlashDrafter(Drafter):
 
     def logits(self, h: Tensor) -> Tensor:
         """The target's LM head on draft hidden states: one full-vocabulary row per drafted token,
-        the drafter's largest cost. One GEMM, not the verify path's row-stable pairs: drafts need
-        no bit-exactness."""
-        head = self.target.model.head
+        the drafter's largest cost. One GEMM (int4 on an int4 target), not the verify path's
+        row-stable pairs: drafts need no bit-exactness."""
+        head = self.head
         if head.weight is None:
             return head(h.to(torch.bfloat16)).float()  # int4 head
         return F.linear(h.to(head.weight.dtype), head.weight).float()

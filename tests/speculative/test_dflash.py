@@ -232,3 +232,22 @@ def test_rejection_acceptance_gets_the_distributions_drafts_were_sampled_from(tm
     out = run_to_summary(SpeculativeBackend(fresh(qwen3), drafter, 4, acceptance="rejection")
                          .stream(Request(messages=PROMPTS[1]), sampling))
     assert out.stop_reason in ("eos", "max_tokens") and out.drafts > 0
+
+
+def test_drafter_on_an_int4_target_runs_int4_and_keeps_parity(tmp_path):
+    """On an int4 target the drafter's matrices and its full-vocabulary head run on the int4
+    kernel; strict verification keeps the reply bit for bit the target's."""
+    from backends.native.weights import Int4Module
+    from tests.native.tiny import make_gguf
+
+    hf = make_hf_checkpoint(tmp_path / "llama", "llama", seed=41)
+    target = TorchBackend(make_gguf(tmp_path / "t.gguf", hf, "Q4_1"), precision="int4", threads=2, context=256)
+    drafter = drafter_for(target, make_dflash_checkpoint(tmp_path / "d", hf, block_size=4, head_dim=16, heads=4,
+                                                         kv_heads=2, seed=42, target_layer_ids=(0, 1)))
+    assert isinstance(drafter.model.layers[0].mlp.gate_proj, Int4Module) and drafter.head.int4 is not None
+    spec = SpeculativeBackend(target, drafter, 3, strict=True)
+    for sampling in SAMPLINGS[:2]:
+        request = Request(messages=PROMPTS[1])
+        ref = run_to_summary(fresh(target).stream(request, sampling))
+        out = run_to_summary(fresh(spec).stream(request, sampling))
+        assert out.token_ids == ref.token_ids and out.passes < len(out.token_ids) + 1
