@@ -240,9 +240,8 @@ class Transformer(nn.Module):
         self.embed = embed  # [vocab, dim] float32 or compute dtype; rows are looked up
         self.blocks = nn.ModuleList(Block(cfg, b) for b in blocks)
         self.norm = norm
-        self.head = head
-        self.head_dtype = torch.float32 if head.row_stable else dtype
         self.device = embed.device
+        self.set_head(head)
         self.static = False  # see use_static_shapes
         self._run_blocks = self._blocks
         self.setup_cache(max_len)
@@ -264,6 +263,11 @@ class Transformer(nn.Module):
     @property
     def max_len(self) -> int:
         return self.cache.max_len
+
+    def set_head(self, head: Linear) -> None:
+        """Swap the LM head (a drafter's int4 copy: its logits only need to rank its guesses)."""
+        self.head = head
+        self.head_dtype = torch.float32 if head.row_stable else (torch.bfloat16 if head.int4 else self.dtype)
 
     @property
     def runs_int4(self) -> bool:

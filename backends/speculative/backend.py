@@ -6,6 +6,7 @@ from typing import Iterator, Sequence
 
 from backends.base import Backend, BackendError, Event, Request, Sampling
 from backends.native.engine import TorchBackend
+from backends.native.weights import Int4Rows, int4_linear
 from backends.speculative.drafters import DraftModelDrafter, NgramDrafter, check_same_tokenizer
 from backends.speculative.loop import Drafter, speculative_stream
 
@@ -79,6 +80,9 @@ def make_drafter(profile, target: TorchBackend) -> Drafter:
         except BackendError:
             engine.close()
             raise
+        head = engine.model.head.weight
+        if target.model.runs_int4 and head is not None and Int4Rows.fits(head):
+            engine.model.set_head(int4_linear(head))  # its full-vocabulary head is most of a small drafter's cost
         return DraftModelDrafter(engine, want_q=spec.acceptance == "rejection")
     if spec.method == "mtp":
         return make_mtp_drafter(profile, target)

@@ -87,3 +87,23 @@ def test_strict_refuses_kernels_that_are_not_row_invariant(target, drafters):
 
     with pytest.raises(BackendError, match="strict verification needs row-invariant kernels"):
         SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=True)  # float32 target
+
+
+def test_draft_model_on_an_int4_target_guesses_with_an_int4_head(tmp_path):
+    """Loaded from a profile: a draft model beside an int4 target gets an int4 copy of its
+    full-vocabulary head (most of a small drafter's cost); the reply stays the target's."""
+    from backends.base import Request, Sampling, run_to_summary
+    from backends.speculative.backend import SpeculativeBackend
+    from specchat.profiles import load_profile_file
+    from specchat.verify import fresh
+    from tests.native.tiny import make_gguf, make_hf_checkpoint
+
+    gguf = make_gguf(tmp_path / "t.gguf", make_hf_checkpoint(tmp_path / "t", "llama", seed=51), "Q4_1")
+    draft = make_gguf(tmp_path / "d.gguf", make_hf_checkpoint(tmp_path / "d", "llama", seed=52), "F32")
+    (tmp_path / "p.yaml").write_text(f"backend: torch\nmodel: {gguf}\nthreads: 2\ncontext: 256\n"
+                                     f"speculative: {{method: draft, drafter: {draft}, depth: 3}}\n")
+    spec = SpeculativeBackend.from_profile(load_profile_file(tmp_path / "p.yaml"))
+    assert spec.target.model.runs_int4 and spec.drafter.engine.model.head.int4 is not None
+    request, sampling = Request(messages=[{"role": "user", "content": "hello there"}]), Sampling(max_tokens=30)
+    ref = run_to_summary(fresh(spec.target).stream(request, sampling))
+    assert run_to_summary(fresh(spec).stream(request, sampling)).token_ids == ref.token_ids
