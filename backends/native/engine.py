@@ -129,21 +129,32 @@ class TorchBackend(Backend):
         return self.model.cache.length
 
     def forward(self, tokens: Sequence[int] | Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True, exact_rows: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
+                all_logits: bool = True, exact_rows: bool = False, head: bool = True
+                ) -> tuple[Tensor, dict[int, Tensor]]:
         """Run tokens at absolute positions start_pos.. (cache beyond start_pos is dropped first).
 
         logits[i] is the distribution of the token at position start_pos + i + 1. hidden_layers:
         layer indices (output of decoder layer i) and/or FINAL (-1, after the final norm).
         exact_rows: see Transformer.forward; bitwise equal to single-token passes when
-        `self.rows_bitwise` is true.
+        `self.rows_bitwise` is true. head=False: final hidden states instead of logits (see
+        `head_logits`).
         """
         if start_pos < self.cache_len:
             self.truncate(start_pos)
         ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
         t = torch.tensor([ids], dtype=torch.long, device=self.device)
-        logits, hidden = self.model(t, start_pos, hidden_layers, all_logits, exact_rows)
+        logits, hidden = self.model(t, start_pos, hidden_layers, all_logits, exact_rows, head)
         self.cached[start_pos:] = ids
         return logits, hidden
+
+    def head_logits(self, states: Tensor) -> Tensor:
+        """Logits for rows of final hidden states from forward(..., head=False)."""
+        return self.model.logits(states)
+
+    @property
+    def head_rows(self) -> int | None:
+        """How many rows `head_logits` may take at a time keeping each row's bits (None: any)."""
+        return self.model.head_rows
 
     def truncate(self, n: int) -> None:
         self.model.cache.truncate(n)

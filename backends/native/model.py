@@ -275,13 +275,16 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True, exact_rows: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
+                all_logits: bool = True, exact_rows: bool = False, head: bool = True
+                ) -> tuple[Tensor, dict[int, Tensor]]:
         """Run tokens[1, K] at positions start_pos..start_pos+K-1 against cache[:start_pos].
 
         Returns float32 logits [K, vocab] (or [1, vocab] for the last position when
         all_logits is False) and the float32 hidden states [K, dim] of the requested layers:
         key i is the output of decoder layer i, key FINAL (-1) the final hidden state after the norm.
-        Afterwards the cache holds start_pos + K positions.
+        Afterwards the cache holds start_pos + K positions. With head=False the first result is
+        the final hidden state (after the norm) instead of the logits: `logits` turns rows of it
+        into logits, so a caller can stop once it has seen what it needs.
 
         exact_rows: compute each row's attention as a single-token pass does (same key count, see
         `padded_span`), so that each row is bitwise what K single-token passes give, wherever the
@@ -316,7 +319,16 @@ class Transformer(nn.Module):
             x = x if all_logits else x[-1:]
         else:
             x = F.rms_norm(x if all_logits else x[-1:], (self.cfg.dim,), self.norm, self.cfg.norm_eps)
-        return self.head(x.to(self.head_dtype)).float(), hidden
+        return (self.logits(x) if head else x), hidden
+
+    def logits(self, states: Tensor) -> Tensor:
+        """float32 logits [K, vocab] for final hidden states [K, dim] (after the norm)."""
+        return self.head(states.to(self.head_dtype)).float()
+
+    @property
+    def head_rows(self) -> int | None:
+        """Rows the head can be applied to at a time with each row's bits unchanged (None: any)."""
+        return 2 if self.head.row_stable else None
 
     def _blocks(self, x: Tensor, write: slice | Tensor, span: int, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 hidden_layers: tuple[int, ...], row_groups: list[tuple] | None = None

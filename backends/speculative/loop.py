@@ -72,14 +72,34 @@ class Target(Protocol):
     context_length: int
     cached: list[int]  # token ids whose keys/values are in the cache
 
+    head_rows: int | None  # rows head_logits takes at a time with unchanged bits (None: any)
+
     def forward(self, tokens: Sequence[int], start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True, exact_rows: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
+                all_logits: bool = True, exact_rows: bool = False,
+                head: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
+
+    def head_logits(self, states: torch.Tensor) -> torch.Tensor: ...
 
     def truncate(self, length: int) -> None: ...
 
     def sample(self, logits: torch.Tensor, positions: Sequence[int], sampling: Sampling) -> torch.Tensor: ...
 
     def detokenize(self, ids: Sequence[int]) -> str: ...
+
+
+def target_choices(target: Target, states: torch.Tensor, draft: Sequence[int], positions: Sequence[int],
+                   sampling: Sampling) -> list[int]:
+    """The target's own token at each block position, as far as `accept_exact` will look: the LM
+    head (a full-vocabulary matmul, the largest single cost of a verify row on CPU) runs on
+    `target.head_rows` rows at a time and stops after the first chunk holding a rejected draft."""
+    chunk = target.head_rows or len(positions)
+    chosen: list[int] = []
+    for lo in range(0, len(positions), chunk):
+        hi = lo + chunk
+        chosen += target.sample(target.head_logits(states[lo:hi]), positions[lo:hi], sampling).tolist()
+        if any(a != b for a, b in zip(draft[lo:hi], chosen[lo:hi])):
+            break
+    return chosen
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -98,7 +118,7 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
 
     # Prefill: reuse the cached prefix unless the drafter needs hidden states of every prompt position.
     start = 0 if layers else min(common_prefix(target.cached, prompt), len(prompt) - 1)
-    logits, hidden = target.forward(prompt[start:], start, layers)
+    logits, hidden = target.forward(prompt[start:], start, layers, all_logits=False)
     first = int(target.sample(logits[-1:], [len(prompt)], sampling)[0])
     tokens = list(prompt) + [first]
     drafter.start(prompt, hidden, sampling)
@@ -132,16 +152,16 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
         k = max(0, min(depth, sampling.max_tokens - produced - 1, room))
         draft = drafter.propose(tokens, k) if k else Draft([])
         d = draft.tokens[:k]
-        logits, hidden = target.forward([tokens[-1]] + d, n - 1, layers, exact_rows=strict)
+        states, hidden = target.forward([tokens[-1]] + d, n - 1, layers, exact_rows=strict, head=False)
         positions = list(range(n, n + len(d) + 1))
         if use_rejection and draft.q is not None and d:
-            p = probs(logits, sampling)
+            p = probs(target.head_logits(states), sampling)
             u = torch.stack([torch.rand((), generator=keyed_generator(sampling.seed, pos, "accept"))
                              for pos in positions[:-1]])
             verdict = accept_rejection(d, p, draft.q[:len(d)], u,
                                        lambda dist, i: _sample_dist(dist, sampling.seed, positions[i]))
         else:
-            verdict = accept_exact(d, target.sample(logits, positions, sampling).tolist())
+            verdict = accept_exact(d, target_choices(target, states, d, positions, sampling))
         new = verdict.tokens(d)
         target.truncate(n + verdict.accepted)
         tokens.extend(new)

@@ -22,8 +22,8 @@ LOOP_BUGS = {
         ("target.truncate(n + verdict.accepted)", "target.truncate(min(n + verdict.accepted + 1, n + len(d)))")],
     "KV cache not rolled back": [  # rejected drafts stay in the cache; the next block goes after them
         ("target.truncate(n + verdict.accepted)", "target.truncate(n + len(d))"),
-        ("target.forward([tokens[-1]] + d, n - 1, layers, exact_rows=strict)",
-         "target.forward([tokens[-1]] + d, len(target.cached), layers, exact_rows=strict)")],
+        ("target.forward([tokens[-1]] + d, n - 1, layers, exact_rows=strict, head=False)",
+         "target.forward([tokens[-1]] + d, len(target.cached), layers, exact_rows=strict, head=False)")],
     "bonus token dropped": [
         ("step, hit_eos = emit(new, len(d), verdict.accepted)",
          "step, hit_eos = emit(new[:-1] if d and verdict.accepted == len(d) else new, len(d), verdict.accepted)")],

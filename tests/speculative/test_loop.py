@@ -1,0 +1,49 @@
+"""The loop's verify step computes the target's LM head only as far as acceptance looks."""
+import torch
+
+from backends.base import Sampling
+from backends.speculative.acceptance import accept_exact
+from backends.speculative.loop import target_choices
+
+
+class CountingHead:
+    """A target whose 'state' rows are already one-hot logits; counts the head's calls."""
+
+    def __init__(self, head_rows):
+        self.head_rows, self.calls = head_rows, []
+
+    def head_logits(self, states):
+        self.calls.append(len(states))
+        return states
+
+    def sample(self, logits, positions, sampling):
+        assert len(positions) == len(logits)
+        return logits.argmax(-1)
+
+
+def states_for(tokens, vocab=10):
+    return torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float()
+
+
+def test_head_stops_after_the_chunk_with_the_first_rejection():
+    target_tokens = [1, 2, 3, 4, 5]  # the target's choice at each of the 5 block positions
+    target = CountingHead(2)
+    chosen = target_choices(target, states_for(target_tokens), [1, 9, 3, 4], list(range(5)), Sampling())
+    assert target.calls == [2] and chosen == [1, 2]  # draft 1 rejected: rows 2..4 never reach the head
+    assert accept_exact([1, 9, 3, 4], chosen).tokens([1, 9, 3, 4]) == [1, 2]
+
+
+def test_every_row_when_every_draft_is_accepted():
+    target = CountingHead(2)
+    chosen = target_choices(target, states_for([1, 2, 3, 4, 5]), [1, 2, 3, 4], list(range(5)), Sampling())
+    assert target.calls == [2, 2, 1] and chosen == [1, 2, 3, 4, 5]  # the bonus token too
+    assert accept_exact([1, 2, 3, 4], chosen).tokens([1, 2, 3, 4]) == [1, 2, 3, 4, 5]
+
+
+def test_first_draft_rejected_and_no_chunking():
+    target = CountingHead(None)
+    assert target_choices(target, states_for([7, 2, 3]), [1, 2], [4, 5, 6], Sampling()) == [7, 2, 3]
+    assert target.calls == [3]
+    target = CountingHead(2)
+    assert target_choices(target, states_for([7, 2, 3]), [1, 2], [4, 5, 6], Sampling()) == [7, 2]
+    assert target.calls == [2]
