@@ -70,6 +70,11 @@ def run_ladder(profile: Profile, depths: list[int], prompts: list[PromptItem],
 
     check(profile)
     spec = SpeculativeBackend.from_profile(profile)
+    most = spec.drafter.max_depth
+    if most is not None and max(depths) > most:
+        spec.close()
+        raise BackendError(f"profile '{profile.name}': its {spec.drafter.name} drafter proposes at most {most} "
+                           f"tokens per pass; use --depths 1-{most}")
     try:
         ref_profile = profile.target_only()
         reference = ProfileResult(ref_profile.name, ref_profile)

@@ -53,3 +53,19 @@ def test_parse_depths_and_plateau():
     assert ladder.parse_depths("1-3,5") == [1, 2, 3, 5]
     with pytest.raises(BackendError):
         ladder.parse_depths("0-2")
+
+
+def test_depths_beyond_a_dflash_block_are_refused(isolated_dirs, tmp_path, capsys):
+    from tests.speculative.tiny_dflash import make_dflash_checkpoint
+
+    folder = isolated_dirs / "user-profiles"
+    target = make_hf_checkpoint(folder / "tiny", "llama")
+    make_dflash_checkpoint(folder / "dflash", target, block_size=4)
+    (folder / "tiny-dflash.yaml").write_text("backend: torch\nmodel: ./tiny\ndtype: float32\ncontext: 256\n"
+                                             "speculative: {method: dflash, drafter: ./dflash, depth: 3}\n")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the quick brown fox\n")
+    capsys.readouterr()  # the checkpoint writers' progress
+    assert cli.main(["ladder", "-p", "tiny-dflash", "--depths", "1-6", "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "at most 3 tokens per pass" in err[0] and "--depths 1-3" in err[0]

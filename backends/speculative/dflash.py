@@ -328,6 +328,10 @@ class DFlashDrafter(Drafter):
     def block_size(self) -> int:
         return self.cfg.block_size
 
+    @property
+    def max_depth(self) -> int:
+        return self.cfg.block_size - 1
+
     def _features(self, hidden: dict[int, Tensor]) -> Tensor:
         return torch.cat([hidden[k] for k in self.hidden_layers], dim=-1)
 

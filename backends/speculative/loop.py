@@ -38,6 +38,7 @@ class Drafter(ABC):
 
     name = "drafter"
     hidden_layers: tuple[int, ...] = ()  # target layers to return from every pass (-1: final, after norm)
+    max_depth: Optional[int] = None  # most tokens it can propose per pass (None: no limit)
 
     def start(self, prompt_ids: Sequence[int], hidden: dict[int, torch.Tensor], sampling: Sampling) -> None:
         """A new request; `hidden` holds the target's states for the prompt positions."""
