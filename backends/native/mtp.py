@@ -250,9 +250,17 @@ class MtpHead:
     def n_layers(self) -> int:
         return len(self.layers)
 
+    def _vocab_logits(self, g: Tensor) -> Tensor:
+        return self.head(g.to(self.head.weight.dtype if self.head.weight is not None else self.dtype)).float()
+
+    def greedy(self, g: Tensor) -> Tensor:
+        """The most likely token per row, without spreading logits over the full vocabulary."""
+        best = self._vocab_logits(g).argmax(-1)
+        return best if self.vocab is None else self.vocab[best]
+
     def logits(self, g: Tensor) -> Tensor:
         """Logits over the full vocabulary (-inf outside the draft vocabulary, if the head has one)."""
-        out = self.head(g.to(self.head.weight.dtype if self.head.weight is not None else self.dtype)).float()
+        out = self._vocab_logits(g)
         if self.vocab is None:
             return out
         full = torch.full((g.shape[0], self.target.cfg.vocab_size), float("-inf"), device=g.device)

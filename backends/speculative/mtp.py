@@ -53,6 +53,8 @@ class MtpDrafter(Drafter):
         self.n_states += len(h)
 
     def _choose(self, g: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
+        if self.sampling.greedy and not self.want_q:
+            return int(self.head.greedy(g)[0]), None
         logits = self.head.logits(g)
         q = probs(logits, self.sampling)[0] if self.want_q else None
         # the target's own position-keyed sampler: at temperature > 0 the guess shares the target's noise

@@ -175,3 +175,14 @@ def test_int4_quantization_round_trip():
     y = int4_linear(w)(x.to(torch.bfloat16)).float()
     assert torch.allclose(y, x @ q.dequantize().T, atol=0.1, rtol=0.02)
     assert Int4Rows.fits(w) and not Int4Rows.fits(torch.randn(16, 48))
+
+
+def test_greedy_pick_equals_argmax_of_full_logits(with_mtp):
+    layout, ckpt = with_mtp
+    engine = TorchBackend(ckpt, "hf_dir", precision="float32", threads=1, context=32)
+    weights = read_mtp(ckpt, engine.model.cfg)
+    weights.draft_vocab = torch.arange(0, engine.model.cfg.vocab_size, 3)  # a draft vocabulary: every third id
+    for w in (weights, read_mtp(ckpt, engine.model.cfg)):
+        head = MtpHead(w, engine.model, 32)
+        g = head.forward(torch.randn(4, engine.model.cfg.dim), torch.tensor([1, 2, 3, 4]), 0)
+        assert torch.equal(head.greedy(g), head.logits(g).argmax(-1))
