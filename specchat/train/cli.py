@@ -45,7 +45,7 @@ def cmd_mtp(args) -> int:
                          top_k=args.top_k,
                          draft_vocab=args.draft_vocab, hidden_source=args.hidden_source,
                          checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, holdout=args.holdout,
-                         threads=args.threads, stop_at=args.stop_at)
+                         threads=args.threads, stop_at=args.stop_at, max_prompt_tokens=args.max_prompt_tokens)
     train_mtp(_profile(args.target), [Path(d) for d in args.data], Path(args.out), cfg, say=_say)
     return 0
 
@@ -142,6 +142,9 @@ def add_train_parser(sub) -> None:
                    help="target state fed to the head: after the final norm (default) or the last layer's output")
     p.add_argument("--kl-weight", type=float, default=1.0)
     p.add_argument("--ce-weight", type=float, default=0.5)
+    p.add_argument("--max-prompt-tokens", type=int,
+                   help="train only on samples whose prompt is at most N tokens (long documents make the "
+                        "target's feature pass slow)")
     p.add_argument("--depth2-weight", type=float, default=0.5,
                    help="weight of the second drafting step's loss (the head fed its own output); 0: off")
     p.add_argument("--seed", type=int, default=0)

@@ -117,8 +117,10 @@ class Example:
     topk_logp: torch.Tensor  # float32 [reply, k]
 
 
-def load_examples(dirs: list[Path]) -> list[Example]:
-    """Every sample of the data directories (a prompt id seen twice is kept once), sorted by id."""
+def load_examples(dirs: list[Path], max_prompt_tokens: int | None = None) -> list[Example]:
+    """Every sample of the data directories (a prompt id seen twice is kept once), sorted by id;
+    with `max_prompt_tokens`, only samples whose prompt is at most that long (long documents cost
+    the target's feature pass far more than their replies add)."""
     from safetensors.torch import load_file
 
     seen: dict[str, Example] = {}
@@ -128,7 +130,7 @@ def load_examples(dirs: list[Path]) -> list[Example]:
             raise BackendError(f"{data}: no training samples (manifest.jsonl); run `specchat train data` first")
         shards: dict[str, dict] = {}
         for m in manifest:
-            if m["reply_len"] == 0 or m["id"] in seen:
+            if m["reply_len"] == 0 or m["id"] in seen or (max_prompt_tokens and m["prompt_len"] > max_prompt_tokens):
                 continue
             sh = shards.setdefault(m["shard"], load_file(str(data / m["shard"])))
             n = m["prompt_len"] + m["reply_len"]

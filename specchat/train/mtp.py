@@ -53,6 +53,7 @@ class MtpTrainConfig:
     threads: int = 0
     warmup: float = 0.05
     stop_at: int | None = None
+    max_prompt_tokens: int | None = None  # train only on samples whose prompt is at most this long
 
 
 @dataclass
@@ -273,7 +274,7 @@ def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=pri
                            "torch engine (backend: torch)")
     torch.set_num_threads(cfg.threads or physical_cores())
     data = [Path(d) for d in data]
-    examples = load_examples(data)
+    examples = load_examples(data, cfg.max_prompt_tokens)
     train_ex, eval_ex = split(examples, cfg.holdout, cfg.seed)
     if not train_ex:
         raise BackendError(f"{data[0]}: too few samples to train on ({len(examples)})")
@@ -382,7 +383,8 @@ def retrain_command(profile, data: list[Path], out: Path, info: dict, cfg: MtpTr
     parts.append(f"specchat train mtp --data {' '.join(map(str, data))} --target {profile.name} --out {out} "
                  f"--steps {cfg.steps} --batch-tokens {cfg.batch_tokens} --lr {cfg.lr} --top-k {cfg.top_k} "
                  f"--draft-vocab {cfg.draft_vocab} --hidden-source {cfg.hidden_source} --kl-weight {cfg.kl_weight} "
-                 f"--ce-weight {cfg.ce_weight} --depth2-weight {cfg.depth2_weight} --holdout {cfg.holdout} --seed {cfg.seed}")
+                 f"--ce-weight {cfg.ce_weight} --depth2-weight {cfg.depth2_weight} --holdout {cfg.holdout} --seed {cfg.seed}"
+                 + (f" --max-prompt-tokens {cfg.max_prompt_tokens}" if cfg.max_prompt_tokens else ""))
     return " && \\\n  ".join(parts)
 
 
