@@ -133,7 +133,7 @@ class Linear(nn.Module):
         return torch.cat([F.linear(pair, self.weight) for pair in x.split(2)])[:K]
 
 
-ATTENTION_PAD = 64  # single-token passes attend over the cache rounded up to this many keys
+ATTENTION_PAD = 16  # single-token passes attend over the cache rounded up to a multiple of this
 
 
 def padded_span(end: int, max_len: int) -> int:
@@ -168,6 +168,9 @@ def exact_row_groups(start: int, K: int, max_len: int, device: torch.device) -> 
 def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: Tensor, gqa: bool) -> Tensor:
     """q [H, n, hd] as n one-row queries (a batch of n) over cache[:n_keys]; returns [1, H, n, hd]."""
     n = q.shape[1]
+    if n == 1:  # a single-token pass: [1, H, 1, hd] already
+        return F.scaled_dot_product_attention(q[None], cache_k[:, :, :n_keys], cache_v[:, :, :n_keys], attn_mask=mask,
+                                              enable_gqa=gqa)
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(2), cache_k[:, :, :n_keys].expand(n, -1, -1, -1),
                                          cache_v[:, :, :n_keys].expand(n, -1, -1, -1), attn_mask=mask, enable_gqa=gqa)
     return out[:, :, 0].transpose(0, 1).unsqueeze(0)
@@ -218,8 +221,9 @@ class Block(nn.Module):
         cache_v[0, :, write] = v.transpose(0, 1)
         q = qk[:, :H].transpose(0, 1).unsqueeze(0)
         if row_groups is not None:  # each row exactly as a single-token pass computes it
-            a = torch.cat([_attend_rows(q[0, :, lo:hi], cache_k, cache_v, n_keys, m, H != Hkv)
-                           for lo, hi, n_keys, m in row_groups], dim=2)
+            parts = [_attend_rows(q[0, :, lo:hi], cache_k, cache_v, n_keys, m, H != Hkv)
+                     for lo, hi, n_keys, m in row_groups]
+            a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         else:
             a = F.scaled_dot_product_attention(q, cache_k[:, :, :span], cache_v[:, :, :span], attn_mask=mask,
                                                enable_gqa=H != Hkv)
