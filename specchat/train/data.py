@@ -24,6 +24,7 @@ import torch
 from backends.base import BackendError, Sampling
 from specchat.prompts import PromptItem, load_prompts
 from specchat.train.progress import bar
+from specchat.train.variants import derived_prompts, self_instruct_tasks
 
 MANIFEST = "manifest.jsonl"
 INFO = "info.json"
@@ -36,7 +37,6 @@ def training_prompts(files: list[str], limit: int | None = None, instances: bool
     With `instances`, every instance input of a self-instruct task becomes its own prompt; with
     `variants`, the prompts derived from each task (specchat/train/variants.py) follow its own.
     """
-    from specchat.train.variants import derived_prompts
 
     items: list[PromptItem] = []
     for f in files:
@@ -62,12 +62,7 @@ def training_prompts(files: list[str], limit: int | None = None, instances: bool
 
 def _instance_prompts(path: Path) -> list[PromptItem]:
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        if "instruction" not in rec:
-            return []
+    for n, rec in self_instruct_tasks(path):
         inputs = [i.get("input", "") for i in rec.get("instances", [])] or [""]
         for j, inp in enumerate(inputs):
             text = rec["instruction"] + (f"\n\n{inp}" if inp else "")

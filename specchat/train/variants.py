@@ -33,16 +33,24 @@ def _templates(instruction: str, given: str, doc: str, language: str) -> dict[st
     return out
 
 
-def derived_prompts(path: Path, tag: str) -> list[PromptItem]:
-    """Derived prompts for every task of a self-instruct jsonl file (none for other formats).
-    The document of a task is its longest instance text (input or output)."""
-    items: list[PromptItem] = []
+def self_instruct_tasks(path: Path) -> list[tuple[int, dict]]:
+    """(line number, record) of every task in a self-instruct jsonl file; [] for other formats."""
+    tasks = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         rec = json.loads(line)
         if "instruction" not in rec:
             return []
+        tasks.append((n, rec))
+    return tasks
+
+
+def derived_prompts(path: Path, tag: str) -> list[PromptItem]:
+    """Derived prompts for every task of a self-instruct jsonl file (none for other formats).
+    The document of a task is its longest instance text (input or output)."""
+    items: list[PromptItem] = []
+    for n, rec in self_instruct_tasks(path):
         instances = rec.get("instances") or [{}]
         given = instances[0].get("input", "")
         doc = max((t for i in instances for t in (i.get("input", ""), i.get("output", ""))), key=len, default="")
