@@ -33,7 +33,8 @@ from torch import Tensor
 
 from backends.base import BackendError
 from backends.native.model import Block, KVCache, Linear, ModelConfig, Transformer, rope_tables
-from backends.native.weights import _HF_LAYER_NAMES, LAYER_KEYS, Int4Rows, build_block, drafting_head, int4_linear, quantize_layer
+from backends.native.weights import (_HF_LAYER_NAMES, LAYER_KEYS, Int4Rows, build_block, drafting_head, int4_linear,
+                                     quantize_layer)
 
 DRAFT_VOCAB = "specchat.draft_vocab"  # optional int32 tensor: the token ids the head may propose
 
