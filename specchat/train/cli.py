@@ -100,7 +100,7 @@ def add_train_parser(sub) -> None:
                         "document, rewrite, explain, key points, continue")
     p.add_argument("--batch", type=int, default=1,
                    help="N > 1: decode N replies at once with transformers' float32 model of the target "
-                        "(about 3x faster at 48; replies may part from the engine's at near-ties)")
+                        "(about 2x the engine's rate at 48; replies may part from the engine's at near-ties)")
     p.add_argument("--threads", type=int, help="override the profile's threads (1 is fastest on a busy machine)")
     p.set_defaults(func=cmd_data)
 

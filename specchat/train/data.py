@@ -155,7 +155,7 @@ def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128
               top_k: int = 32, temperature: float = 0.0, seed: int = 0, instances: bool = False,
               shard_size: int = 32, variants: bool = False, batch: int = 1, say=print) -> dict:
     """batch > 1: replies come from transformers' float32 model of the target in batches of that
-    size (specchat/train/batched.py), about 3x faster than the engine's one-at-a-time decoding."""
+    size (specchat/train/batched.py), about 2x the engine's one-at-a-time decoding."""
 
     if profile.backend != "torch":
         raise BackendError(f"profile '{profile.name}' uses backend '{profile.backend}'; training data needs "
