@@ -59,7 +59,8 @@ def cmd_dflash(args) -> int:
     cfg = DFlashTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, anchors=args.anchors, gamma=args.gamma,
                             lr=args.lr, seed=args.seed, ce_weight=args.ce_weight, kl_weight=args.kl_weight,
                             checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
-                            holdout=args.holdout, threads=args.threads, stop_at=args.stop_at)
+                            holdout=args.holdout, threads=args.threads, stop_at=args.stop_at,
+                            max_prompt_tokens=args.max_prompt_tokens)
     train_dflash(_profile(args.target), [Path(d) for d in args.data], Path(args.out), shape, cfg, say=_say)
     return 0
 
@@ -170,6 +171,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch-tokens", type=int, default=1024, help="sample tokens per step (default 1024)")
     p.add_argument("--anchors", type=int, default=16, help="blocks per reply and step (default 16)")
+    p.add_argument("--max-prompt-tokens", type=int,
+                   help="train only on samples whose prompt is at most N tokens (long documents make the "
+                        "target's feature pass slow)")
     p.add_argument("--gamma", type=float, default=4.0, help="loss weight of block position k: exp(-(k-1)/gamma)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--ce-weight", type=float, default=1.0, help="weight of cross-entropy on the target's tokens")

@@ -63,6 +63,7 @@ class DFlashTrainConfig:
     threads: int = 0
     warmup: float = 0.05
     stop_at: int | None = None  # stop (as if interrupted) after this step; for resume tests
+    max_prompt_tokens: int | None = None  # train only on samples whose prompt is at most this long
 
 
 def default_mask_token(tokenizer, vocab_size: int) -> int:
@@ -228,7 +229,8 @@ def retrain_command(profile, data: list[Path], out: Path, data_info: dict, shape
                  f"--block-size {dcfg.block_size} --target-layers {' '.join(map(str, dcfg.target_layer_ids))} "
                  f"--mask-token-id {dcfg.mask_token_id} --steps {cfg.steps} --batch-tokens {cfg.batch_tokens} "
                  f"--anchors {cfg.anchors} --gamma {cfg.gamma} --lr {cfg.lr} --ce-weight {cfg.ce_weight} "
-                 f"--kl-weight {cfg.kl_weight} --holdout {cfg.holdout} --seed {cfg.seed}")
+                 f"--kl-weight {cfg.kl_weight} --holdout {cfg.holdout} --seed {cfg.seed}"
+                 + (f" --max-prompt-tokens {cfg.max_prompt_tokens}" if cfg.max_prompt_tokens else ""))
     return " && \\\n  ".join(parts)
 
 
@@ -237,7 +239,7 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
 
     data = [Path(d) for d in data]
     data_info = data_info_of(data)
-    examples = load_examples(data)
+    examples = load_examples(data, cfg.max_prompt_tokens)
     train_set, eval_set = split(examples, cfg.holdout, cfg.seed)
     if not train_set:
         raise BackendError(f"{data[0]}: too few samples to train on ({len(examples)})")
