@@ -317,11 +317,7 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
             update(status=f"loss {last.get('loss', math.nan):.3f} agree {last.get('agree', math.nan):.2f}"
                    + (f" held-out {last['eval_tokens_per_pass']:.2f} tok/pass"
                       if "eval_tokens_per_pass" in last else ""))
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                state.save(model, opt, step, wall)
-            if cfg.stop_at is not None and cfg.stop_at <= step < cfg.steps:
-                state.save(model, opt, step, wall)
-                say(f"stopped at step {step} (resume by running the same command)")
+            if state.end_of_step(model, opt, step, wall, cfg, say):
                 return last
             started = time.perf_counter()
     if "eval_tokens_per_pass" not in last:

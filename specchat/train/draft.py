@@ -269,6 +269,16 @@ class TrainState:
         with open(self.log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
 
+    def end_of_step(self, model, opt, step: int, wall: float, cfg, say) -> bool:
+        """Checkpoint when due; True when the run stops here as if interrupted (cfg.stop_at, for
+        resume tests), after saving."""
+        stop = cfg.stop_at is not None and cfg.stop_at <= step < cfg.steps
+        if stop or step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            self.save(model, opt, step, wall)
+        if stop:
+            say(f"stopped at step {step} (resume by running the same command)")
+        return stop
+
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     warm = max(1, int(cfg.steps * cfg.warmup))
@@ -364,11 +374,7 @@ def train_draft(profile, data: list[Path], out: Path, shape: DraftShape, cfg: Tr
             state.log(last)
             update(status=f"loss {last['loss']:.3f} agree {last['agree']:.2f}"
                    + (f" held-out {last['eval_agree']:.2f}" if "eval_agree" in last else ""))
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                state.save(model, opt, step, wall)
-            if cfg.stop_at is not None and step >= cfg.stop_at and step < cfg.steps:
-                state.save(model, opt, step, wall)
-                say(f"stopped at step {step} (resume by running the same command)")
+            if state.end_of_step(model, opt, step, wall, cfg, say):
                 return last
             started = time.perf_counter()
     if "eval_agree" not in last and eval_set:

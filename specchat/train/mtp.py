@@ -347,11 +347,7 @@ def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=pri
             state.log(rec)
             update(status=f"loss {rec['loss']:.3f} agree {rec['agree']:.2f}"
                    + (f" held-out {rec['eval_agree']:.2f}" if "eval_agree" in rec else ""))
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                state.save(model, opt, step, wall)
-            if cfg.stop_at is not None and cfg.stop_at <= step < cfg.steps:
-                state.save(model, opt, step, wall)
-                say(f"stopped at step {step} (resume by running the same command)")
+            if state.end_of_step(model, opt, step, wall, cfg, say):
                 return rec
             started = time.perf_counter()
     export(model, tcfg, vocab, cfg, out, profile)
