@@ -176,22 +176,27 @@ def _refuse_unknown(path: Path, names: set[str]) -> None:
 
 # ---- building the model ----
 
-def int4_linear(w: Matrix, bias: Tensor | None = None) -> Linear:
-    """A Linear on torch's CPU int4 kernel (bfloat16 in and out); float weights are quantized."""
+def int4_linear(w: Matrix, bias: Tensor | None = None, dense_copy: bool = False) -> Linear:
+    """A Linear on torch's CPU int4 kernel (bfloat16 in and out); float weights are quantized.
+    dense_copy: also keep the weights as bfloat16 for many-row passes (see `Linear`)."""
     w = w if isinstance(w, Int4Rows) else Int4Rows.quantize(w)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
     sz = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-    return Linear(None, bias, int4=(packed, sz, INT4_GROUP))
+    dense = None
+    if dense_copy:  # from the bfloat16 scales and zeros the kernel itself uses
+        scale, zero = (t.to(torch.bfloat16).float().repeat_interleave(INT4_GROUP, dim=1) for t in (w.scale, w.zero))
+        dense = ((w.q.float() - 8) * scale + zero).to(torch.bfloat16)
+    return Linear(None, bias, int4=(packed, sz, INT4_GROUP), dense=dense)
 
 
 def _linear(parts: list[Matrix], biases: list[Tensor | None], dtype: torch.dtype, int4: bool,
-            device: torch.device) -> Linear:
+            device: torch.device, dense_copy: bool = False) -> Linear:
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([b if b is not None else torch.zeros(_rows(p)) for b, p in zip(biases, parts)])
         bias = bias.to(device, dtype)
     if int4 and all(isinstance(p, Int4Rows) for p in parts):
-        return int4_linear(Int4Rows.cat(parts) if len(parts) > 1 else parts[0], bias)
+        return int4_linear(Int4Rows.cat(parts) if len(parts) > 1 else parts[0], bias, dense_copy)
     mats = [p.dequantize() if isinstance(p, Int4Rows) else p for p in parts]
     dense = mats[0] if len(mats) == 1 else torch.cat(mats)  # a tied float32 head shares the embedding
     return Linear(dense.to(device, dtype).contiguous(), bias)
@@ -244,28 +249,41 @@ def quantize_layer(layer: dict[str, Matrix]) -> dict[str, Matrix]:
             for k, v in layer.items()}
 
 
-def build_block(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device: torch.device) -> dict:
+def build_block(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device: torch.device,
+                dense_copy: bool = False) -> dict:
     """One decoder layer's tensors (LAYER_KEYS + OPTIONAL_KEYS) as the weights `Block` takes."""
     b = {
         "attn_norm": layer["attn_norm"].float().to(device), "mlp_norm": layer["mlp_norm"].float().to(device),
         "qkv": _linear([layer["q"], layer["k"], layer["v"]],
-                       [layer.get("q_bias"), layer.get("k_bias"), layer.get("v_bias")], dtype, int4, device),
-        "o": _linear([layer["o"]], [None], dtype, int4, device),
-        "gate_up": _linear([layer["gate"], layer["up"]], [None, None], dtype, int4, device),
-        "down": _linear([layer["down"]], [None], dtype, int4, device),
+                       [layer.get("q_bias"), layer.get("k_bias"), layer.get("v_bias")], dtype, int4, device,
+                       dense_copy),
+        "o": _linear([layer["o"]], [None], dtype, int4, device, dense_copy),
+        "gate_up": _linear([layer["gate"], layer["up"]], [None, None], dtype, int4, device, dense_copy),
+        "down": _linear([layer["down"]], [None], dtype, int4, device, dense_copy),
     }
     if "q_norm" in layer:
         b["q_norm"], b["k_norm"] = layer["q_norm"].float().to(device), layer["k_norm"].float().to(device)
     return b
 
 
+# Most memory a bfloat16 copy of an int4 model's layer matrices may take (4x their int4 size) to
+# speed up prefill; larger models prefill on the int4 kernel.
+DENSE_COPY_MAX_BYTES = 1 << 30
+
+
+def dense_copy_bytes(ck: Checkpoint) -> int:
+    return sum(2 * m.q.numel() for layer in ck.layers for m in layer.values() if isinstance(m, Int4Rows))
+
+
 def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = False,
                 device: torch.device | str = "cpu") -> Transformer:
-    """int4 runs Int4Rows matrices with torch's group-wise int4 kernel (CPU, bfloat16 activations)."""
+    """int4 runs Int4Rows matrices with torch's group-wise int4 kernel (CPU, bfloat16 activations),
+    keeping a bfloat16 copy of them for prefill when it takes at most DENSE_COPY_MAX_BYTES."""
     device = torch.device(device)
     if int4 and (dtype != torch.bfloat16 or device.type != "cpu"):
         raise ValueError("the int4 kernel path runs on CPU with bfloat16 activations")
-    blocks = [build_block(layer, dtype, int4, device) for layer in ck.layers]
+    dense_copy = int4 and dense_copy_bytes(ck) <= DENSE_COPY_MAX_BYTES
+    blocks = [build_block(layer, dtype, int4, device, dense_copy) for layer in ck.layers]
     embed = ck.embed.float().to(device)
     head_weight = ck.head if ck.head is not None else embed
     if device.type == "cpu" and dtype != torch.float32:

@@ -144,3 +144,48 @@ def test_exact_rows_block_is_bitwise_equal_to_single_token_passes(tiny_ggufs, pr
     assert torch.equal(block_logits, torch.cat([s[0] for s in singles]))
     assert torch.equal(block_hidden[FINAL], torch.cat([s[1][FINAL] for s in singles]))
     assert torch.equal(block_hidden[1], torch.cat([s[1][1] for s in singles]))
+
+
+def test_int4_prefill_runs_on_a_dense_copy_and_verify_rows_never_do(tiny_ggufs, monkeypatch):
+    """Passes of DENSE_MIN_ROWS rows or more (prefill) use a bfloat16 copy of the int4 weights;
+    exact rows (strict verification) stay on the int4 kernel, bit for bit single-token passes."""
+    import backends.native.weights as weights
+    from backends.native.model import DENSE_MIN_ROWS
+
+    engine = TorchBackend(tiny_ggufs["Q4_1"], precision="int4", context=96)
+    assert all(b.qkv.dense is not None and b.down.dense is not None for b in engine.model.blocks)
+    monkeypatch.setattr(weights, "DENSE_COPY_MAX_BYTES", 0)
+    int4_only = TorchBackend(tiny_ggufs["Q4_1"], precision="int4", context=96)
+    assert all(b.qkv.dense is None for b in int4_only.model.blocks)
+
+    ids = engine.tokenize_chat(MESSAGES)
+    assert len(ids) >= DENSE_MIN_ROWS
+    dense_prefill, _ = engine.forward(ids, 0)
+    int4_prefill, _ = int4_only.forward(ids, 0)
+    assert not torch.equal(dense_prefill, int4_prefill)  # really another kernel...
+    diff = (dense_prefill - int4_prefill).abs()  # ...for the same weights (bfloat16 rounding apart)
+    assert diff.max() < 0.5 and diff.mean() < 0.05
+
+    block = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+    assert len(block) >= DENSE_MIN_ROWS
+    for e in (engine, int4_only):
+        e.truncate(len(ids))
+    block_logits, _ = engine.forward(block, len(ids), exact_rows=True)
+    reference, _ = int4_only.forward(block, len(ids), exact_rows=True)
+    engine.truncate(len(ids))
+    singles = torch.cat([engine.forward([t], len(ids) + i)[0] for i, t in enumerate(block)])
+    assert torch.equal(block_logits, singles)
+    # the caches differ only by the prefill's kernel, so the rows are close, not equal
+    assert (block_logits - reference).abs().mean() < 0.05
+
+
+def test_prefill_from_zero_equals_a_prefill_in_two_parts(tiny_ggufs):
+    """A prefill from position 0 uses plain causal attention; one that continues a cache uses an
+    additive mask. Both must see the same keys."""
+    engine = TorchBackend(tiny_ggufs["Q4_1"], precision="bfloat16", context=96)
+    ids = engine.tokenize_chat(MESSAGES) * 2
+    whole, _ = engine.forward(ids, 0)
+    engine.truncate(0)
+    first, _ = engine.forward(ids[:9], 0)
+    rest, _ = engine.forward(ids[9:], 9)
+    assert (torch.cat([first, rest]) - whole).abs().max() < 0.05
