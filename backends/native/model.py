@@ -155,13 +155,13 @@ def padded_span(end: int, max_len: int) -> int:
     return min(-(-end // ATTENTION_PAD) * ATTENTION_PAD, max_len)
 
 
-def key_mask(ends: Tensor, n_keys: int) -> Tensor:
+def key_mask(ends: Tensor, n_keys: int, dtype: torch.dtype) -> Tensor:
     """Additive mask [len(ends), 1, 1, n_keys]: row i sees keys [0, ends[i])."""
     visible = torch.arange(n_keys, device=ends.device)[None, :] < ends[:, None]
-    return torch.zeros(visible.shape, device=ends.device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+    return torch.zeros(visible.shape, dtype=dtype, device=ends.device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
 
 
-def exact_row_groups(start: int, K: int, max_len: int, device: torch.device) -> list[tuple]:
+def exact_row_groups(start: int, K: int, max_len: int, device: torch.device, dtype: torch.dtype) -> list[tuple]:
     """Rows start..start+K-1 grouped by their single-token key count: (lo, hi, n_keys, mask)."""
     ends = list(range(start + 1, start + K + 1))
     groups, lo = [], 0
@@ -170,7 +170,7 @@ def exact_row_groups(start: int, K: int, max_len: int, device: torch.device) -> 
         hi = lo
         while hi < K and padded_span(ends[hi], max_len) == n_keys:
             hi += 1
-        groups.append((lo, hi, n_keys, key_mask(torch.tensor(ends[lo:hi], device=device), n_keys)))
+        groups.append((lo, hi, n_keys, key_mask(torch.tensor(ends[lo:hi], device=device), n_keys, dtype)))
         lo = hi
     return groups
 
@@ -221,7 +221,7 @@ class Block(nn.Module):
         K, H, Hkv, hd, eps = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         h = F.rms_norm(x, (cfg.dim,), self.attn_norm, eps).to(dtype)
         exact = row_groups is not None
-        qkv = self.qkv(h, exact).to(cache_k.dtype).view(K, H + 2 * Hkv, hd)
+        qkv = self.qkv(h, exact).to(cos.dtype).view(K, H + 2 * Hkv, hd)  # RoPE in the tables' dtype
         qk, v = qkv[:, :H + Hkv], qkv[:, H + Hkv:]
         if self.q_norm is not None:
             qk = torch.cat([F.rms_norm(qk[:, :H], (hd,), self.q_norm, eps),
@@ -230,7 +230,7 @@ class Block(nn.Module):
         qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)
         cache_k[0, :, write] = qk[:, H:].transpose(0, 1)
         cache_v[0, :, write] = v.transpose(0, 1)
-        q = qk[:, :H].transpose(0, 1).unsqueeze(0)
+        q = qk[:, :H].transpose(0, 1).unsqueeze(0).to(cache_k.dtype)
         if row_groups is not None:  # each row exactly as a single-token pass computes it
             parts = [_attend_rows(q[0, :, lo:hi], cache_k, cache_v, n_keys, m, H != Hkv)
                      for lo, hi, n_keys, m in row_groups]
@@ -270,10 +270,19 @@ class Transformer(nn.Module):
 
     def setup_cache(self, max_len: int) -> None:
         """(Re)allocate the KV cache for `max_len` positions and the RoPE tables to match."""
-        # float32 on CPU even for bfloat16 weights: CPU attention is faster over a float32 cache
-        cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        self.cache = KVCache(self.cfg, max_len, cache_dtype, self.device)
-        self.rope_cos, self.rope_sin = rope_tables(self.cfg, max_len, self.device, cache_dtype)
+        self.cache = KVCache(self.cfg, max_len, self.cache_dtype, self.device)
+        self.rope_cos, self.rope_sin = rope_tables(self.cfg, max_len, self.device, self.rope_dtype)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """Keys and values are stored in the compute dtype, except float16 on CPU (its attention
+        is slow there): float32. A bfloat16 cache halves what attention reads over long contexts."""
+        return torch.float32 if self.device.type == "cpu" and self.dtype == torch.float16 else self.dtype
+
+    @property
+    def rope_dtype(self) -> torch.dtype:
+        """float32 on CPU (rotations are cheap there); the compute dtype on CUDA."""
+        return torch.float32 if self.device.type == "cpu" else self.dtype
 
     @property
     def max_len(self) -> int:
@@ -322,7 +331,7 @@ class Transformer(nn.Module):
         else:
             write, span, mask = slice(start_pos, end), end, None
             if K == 1 or exact_rows:
-                row_groups = exact_row_groups(start_pos, K, self.cache.max_len, self.device)
+                row_groups = exact_row_groups(start_pos, K, self.cache.max_len, self.device, self.cache_dtype)
             elif start_pos > 0:  # an additive mask, made once rather than converted by every layer
                 rows = torch.arange(start_pos, end, device=self.device)[:, None]
                 hidden_keys = torch.arange(end, device=self.device)[None, :] > rows

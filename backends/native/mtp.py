@@ -237,7 +237,7 @@ class MtpHead:
                 "cache": KVCache(self.cfg, max_len, target.cache.k[0].dtype, dev),
             })
         self.dtype = dtype
-        self.rope_cos, self.rope_sin = rope_tables(self.cfg, max_len, dev, target.cache.k[0].dtype)
+        self.rope_cos, self.rope_sin = rope_tables(self.cfg, max_len, dev, target.rope_dtype)
         self.vocab = None if w.draft_vocab is None else w.draft_vocab.to(dev)
         head_w = target.head.weight
         if self.vocab is not None and head_w is not None:

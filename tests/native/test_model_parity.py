@@ -126,7 +126,7 @@ def test_exact_rows_across_an_attention_pad_boundary(tiny_ggufs, context):
     assert torch.equal(block_logits, singles)
     unpadded = TorchBackend(tiny_ggufs["Q4_1"], precision="int4", context=context)
     prefill, _ = unpadded.forward(prefix + block, 0)  # one causal pass: bfloat16 activations, other rounding
-    assert (block_logits - prefill[-len(block):]).abs().max() < 0.2
+    assert (block_logits - prefill[-len(block):]).abs().mean() < 0.05
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "int4"])
@@ -182,10 +182,10 @@ def test_int4_prefill_runs_on_a_dense_copy_and_verify_rows_never_do(tiny_ggufs, 
 def test_prefill_from_zero_equals_a_prefill_in_two_parts(tiny_ggufs):
     """A prefill from position 0 uses plain causal attention; one that continues a cache uses an
     additive mask. Both must see the same keys."""
-    engine = TorchBackend(tiny_ggufs["Q4_1"], precision="bfloat16", context=96)
+    engine = TorchBackend(tiny_ggufs["Q4_1"], precision="float32", context=96)
     ids = engine.tokenize_chat(MESSAGES) * 2
     whole, _ = engine.forward(ids, 0)
     engine.truncate(0)
     first, _ = engine.forward(ids[:9], 0)
     rest, _ = engine.forward(ids[9:], 9)
-    assert (torch.cat([first, rest]) - whole).abs().max() < 0.05
+    assert (torch.cat([first, rest]) - whole).abs().max() < FP32_TOL
