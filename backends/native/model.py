@@ -216,7 +216,8 @@ class Block(nn.Module):
                 row_groups: list[tuple] | None = None) -> Tensor:
         """x: the float32 residual stream [K, dim], updated in place and returned. The new keys and
         values go to cache positions `write`; attention reads cache positions [0, span) under `mask`
-        (None with K > 1: plain causal, the block is the whole sequence), or, with `row_groups` (see `exact_row_groups`), each row as a single-token pass would."""
+        (None with K > 1: plain causal, the block is the whole sequence), or, with `row_groups`
+        (see `exact_row_groups`), each row as a single-token pass would; `exact` matmuls then too."""
         cfg = self.cfg
         K, H, Hkv, hd, eps = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         h = F.rms_norm(x, (cfg.dim,), self.attn_norm, eps).to(dtype)
