@@ -150,13 +150,27 @@ def data_info_of(dirs: list[Path]) -> dict:
     return infos[0] | {"prompt_files": files}
 
 
+def source_task(example_id: str) -> str:
+    """The prompt an example derives from: `--variants` ids are `<task id>~<kind>`."""
+    return example_id.split("~", 1)[0]
+
+
 def split(examples: list[Example], holdout: float, seed: int) -> tuple[list[Example], list[Example]]:
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    n_eval = max(1, round(len(examples) * holdout)) if len(examples) > 1 and holdout > 0 else 0
-    ev = sorted(order[:n_eval])
-    tr = sorted(order[n_eval:])
-    return [examples[i] for i in tr], [examples[i] for i in ev]
+    """Held-out examples for about `holdout` of the data, whole source tasks at a time: a reply
+    to "summarise X" in training and one to "explain X" held out would measure memory of X."""
+    groups: dict[str, list[int]] = {}
+    for i, e in enumerate(examples):
+        groups.setdefault(source_task(e.id), []).append(i)
+    keys = sorted(groups)
+    random.Random(seed).shuffle(keys)
+    n_eval = max(1, round(len(examples) * holdout)) if len(keys) > 1 and holdout > 0 else 0
+    ev: list[int] = []
+    for key in keys:
+        if len(ev) >= n_eval:
+            break
+        ev += groups[key]
+    held = set(ev)
+    return ([e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held])
 
 
 def schedule(n: int, lengths: list[int], batch_tokens: int, seed: int, steps: int) -> list[list[int]]:

@@ -179,3 +179,18 @@ def test_missing_data_is_one_line(profile, tmp_path, capsys):
                  "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "train data" in err
+
+
+def test_holdout_keeps_every_variant_of_a_task_on_one_side():
+    """A held-out reply must not share its source task with a training one (`--variants` derives
+    several prompts from one task), or held-out agreement measures memory, not generalisation."""
+    import torch
+
+    from specchat.train.draft import Example, source_task, split
+
+    ids = [f"seed:task_{t}" + (f"~{kind}" if kind else "") for t in range(40) for kind in ("", "summary", "explain")]
+    examples = [Example(i, torch.tensor([1, 2, 3]), 1, torch.zeros(2, 1), torch.zeros(2, 1)) for i in ids]
+    train, held = split(examples, 0.1, seed=0)
+    assert len(train) + len(held) == len(examples) and 12 <= len(held) <= 15
+    assert {source_task(e.id) for e in train}.isdisjoint(source_task(e.id) for e in held)
+    assert [e.id for e in split(examples, 0.1, seed=0)[1]] == [e.id for e in held]  # deterministic
