@@ -264,8 +264,10 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
                 "data": [str(d) for d in data], "target": profile.name, "samples": len(examples)}
     state = TrainState(out, settings)  # refuses a run with other settings before the costly features
     keys = tuple(FINAL if i == t.n_layers - 1 else i for i in dcfg.target_layer_ids)
-    feats = target_features(engine, train_set + eval_set, keys, state.dir / "features.safetensors", say)
-    train_feats, eval_feats = feats[:len(train_set)], feats[len(train_set):]
+    # computed (and cached) in load order, so another hold-out split reuses them
+    by_id = dict(zip((e.id for e in examples),
+                     target_features(engine, examples, keys, state.dir / "features.safetensors", say)))
+    train_feats, eval_feats = [by_id[e.id] for e in train_set], [by_id[e.id] for e in eval_set]
     embed, head = engine.model.embed.float(), engine.model.head.weight.float()  # frozen
     engine.close()
 

@@ -296,8 +296,9 @@ def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=pri
     final_norm = ck.norm.float()
     del ck
 
-    seqs = compute_features(profile, train_ex + eval_ex, cfg, state_dir, say)
-    train_seqs, eval_seqs = seqs[:len(train_ex)], seqs[len(train_ex):]
+    # computed (and cached) in load order, so another hold-out split reuses them
+    by_id = dict(zip((e.id for e in examples), compute_features(profile, examples, cfg, state_dir, say)))
+    train_seqs, eval_seqs = [by_id[e.id] for e in train_ex], [by_id[e.id] for e in eval_ex]
     vocab = choose_draft_vocab(train_seqs, cfg.draft_vocab, tcfg.vocab_size)
     to_sub = torch.arange(tcfg.vocab_size) if vocab is None else torch.full((tcfg.vocab_size,), -1, dtype=torch.long)
     if vocab is not None:
