@@ -336,8 +336,8 @@ class Transformer(nn.Module):
             elif start_pos > 0:  # an additive mask, made once rather than converted by every layer
                 rows = torch.arange(start_pos, end, device=self.device)[:, None]
                 hidden_keys = torch.arange(end, device=self.device)[None, :] > rows
-                mask = torch.zeros(hidden_keys.shape, dtype=self.cache.k[0].dtype,
-                                   device=self.device).masked_fill_(hidden_keys, float("-inf"))
+                mask = torch.zeros(hidden_keys.shape, dtype=self.cache_dtype, device=self.device)
+                mask.masked_fill_(hidden_keys, float("-inf"))
             # else: a prefill from position 0, plain causal attention (mask None, see Block)
         x, hidden = self._run_blocks(x, write, span, self.rope_cos[write], self.rope_sin[write], mask,
                                      tuple(hidden_layers), row_groups)

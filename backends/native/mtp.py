@@ -234,7 +234,7 @@ class MtpHead:
                 "embed_norm": layer["embed_norm"].to(dev), "hidden_norm": layer["hidden_norm"].to(dev),
                 "final_norm": layer["final_norm"].to(dev), "block": Block(self.cfg, blk),
                 "proj": int4_linear(proj) if int4 and Int4Rows.fits(proj) else Linear(proj.to(dev, dtype).contiguous()),
-                "cache": KVCache(self.cfg, max_len, target.cache.k[0].dtype, dev),
+                "cache": KVCache(self.cfg, max_len, target.cache_dtype, dev),
             })
         self.dtype = dtype
         self.rope_cos, self.rope_sin = rope_tables(self.cfg, max_len, dev, target.rope_dtype)
