@@ -44,6 +44,9 @@ class SpeculativeConfig(_Strict):
     acceptance: Literal["exact", "rejection"] = "exact"
     ngram_max: int = Field(3, ge=1, le=16)
     ngram_min: int = Field(1, ge=1, le=16)
+    # draft, mtp, dflash: try prompt lookup first (n-gram sizes ngram_max..ngram_min) and propose up
+    # to this many tokens that followed the match; the model drafter guesses when nothing matches. 0: off
+    lookup: int = Field(0, ge=0, le=64)
     # Verify with exactly the arithmetic of target-only decoding (row by row): true requires it,
     # false turns it off, auto (unset) uses it where the kernels make it possible.
     strict: Optional[bool] = None
@@ -58,6 +61,9 @@ class SpeculativeConfig(_Strict):
             raise ValueError("method 'draft' needs `drafter`: a GGUF file or model directory")
         if self.method == "dflash" and not self.drafter:
             raise ValueError("method 'dflash' needs `drafter`: a DFlash drafter directory")
+        if self.lookup and self.method not in ("draft", "mtp", "dflash"):
+            raise ValueError(f"`lookup` puts prompt lookup in front of a model drafter (draft, mtp, dflash); "
+                             f"method '{self.method}' has none (for prompt lookup alone use method: ngram)")
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must be <= ngram_max")
         return self
@@ -267,7 +273,23 @@ def _resolve(name: str, files: dict[str, Path], raw: dict[str, dict], chain: tup
         raise ProfileError(f"{files[name]}: extends: parent profile '{parent}' is itself broken")
     inherited = {k: v for k, v in _resolve(parent, files, raw, chain + (name,)).items()
                  if k not in ("name", "description")}
-    return _deep_merge(inherited, data)
+    return _deep_merge(_anchor_paths(inherited, files[parent].parent), data)
+
+
+def _anchor_paths(data: dict, folder: Path) -> dict:
+    """Relative model / drafter paths made absolute from the folder of the file that wrote them,
+    so that a profile extending a shipped one (from another folder) finds the same files."""
+    from specchat.models import looks_like_path
+
+    def anchored(value):
+        if isinstance(value, str) and looks_like_path(value) and not value.startswith(("/", "~")):
+            return str((folder / value).resolve())
+        return value
+
+    out = dict(data, model=anchored(data.get("model"))) if "model" in data else dict(data)
+    if isinstance(out.get("speculative"), dict) and "drafter" in out["speculative"]:
+        out["speculative"] = dict(out["speculative"], drafter=anchored(out["speculative"]["drafter"]))
+    return out
 
 
 def _build(name: str, data: dict, path: Path) -> Profile:

@@ -62,3 +62,17 @@ def test_run_json_on_the_real_default_model(default_gguf):
     out = json.loads(done.stdout)
     assert "Paris" in out["text"] and out["profile"] == "smollm2-llamacpp"
     assert out["tokens"] > 0 and out["decode_tok_s"] > 0
+
+
+def test_verify_lookup_first_mtp_on_the_real_default_model(default_gguf, tmp_path):
+    """The shipped head behind prompt lookup, end to end: a reply that quotes its prompt is
+    token-identical to target-only and takes fewer passes than tokens."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "quote", "turns": [
+        "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog near the river bank."]}) + "\n")
+    done = subprocess.run([sys.executable, "-m", "specchat.cli", "verify", "-p", "smollm2-mtp-lookup", "--prompts",
+                           str(prompts), "--max-tokens", "40", "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["identical"] == 1 and out["mismatches"] == 0
+    assert out["prompts_checked"][0]["mean_accepted"] > 1.5

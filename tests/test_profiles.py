@@ -46,6 +46,7 @@ def test_user_profile_overrides_shipped_and_extends(user_dir):
     ("backend: torch\n", "model: required key is missing"),
     ("model: m\nbackend: llamacpp\nspeculative: {method: ngram}\n", "needs backend 'torch'"),
     ("model: m\nspeculative: {method: draft}\n", "needs `drafter`"),
+    ("model: m\nspeculative: {method: ngram, lookup: 4}\n", "in front of a model drafter"),
     ("model: ./missing.gguf\n", "model: no file or directory"),
     ("model: m\nspeculative: {method: draft, drafter: ./nowhere}\n", "speculative.drafter: no drafter"),
     ("model: m\n  bad: [\n", "broken YAML at line"),
@@ -83,6 +84,20 @@ def test_relative_paths_resolve_against_the_profile_file(user_dir, tmp_path):
     p = write(user_dir, "local", "model: ./models/m.gguf\nbackend: llamacpp\n")
     prof = load_profiles().profiles["local"]
     assert prof.resolve_path(prof.model) == p.parent / "models" / "m.gguf"
+
+
+def test_a_profile_extending_a_shipped_one_finds_the_parents_files(user_dir):
+    # smollm2-mtp (shipped) names its head ./drafters/smollm2-mtp, relative to the shipped folder
+    shipped = load_profiles().profiles["smollm2-mtp"]
+    write(user_dir, "mine", "extends: smollm2-mtp\nspeculative: {lookup: 4}\n")
+    write(user_dir, "own-head", "extends: smollm2-mtp\nspeculative: {drafter: ./heads/h}\n")
+    (user_dir / "heads" / "h").mkdir(parents=True)
+    ps = load_profiles()
+    mine = ps.profiles["mine"]
+    assert mine.resolve_path(mine.speculative.drafter) == shipped.resolve_path(shipped.speculative.drafter)
+    assert mine.speculative.lookup == 4 and mine.speculative.depth == shipped.speculative.depth
+    own = ps.profiles["own-head"]  # a path the child writes itself stays relative to the child
+    assert own.resolve_path(own.speculative.drafter) == user_dir / "heads" / "h"
 
 
 def test_target_only_and_overrides():

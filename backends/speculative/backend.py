@@ -7,7 +7,7 @@ from typing import Iterator, Sequence
 from backends.base import Backend, BackendError, Event, Request, Sampling
 from backends.native.engine import TorchBackend
 from backends.native.weights import Int4Rows, int4_linear
-from backends.speculative.drafters import DraftModelDrafter, NgramDrafter, check_same_tokenizer
+from backends.speculative.drafters import DraftModelDrafter, LookupFirst, NgramDrafter, check_same_tokenizer
 from backends.speculative.loop import Drafter, speculative_stream
 
 
@@ -56,7 +56,11 @@ class SpeculativeBackend(Backend):
     def stream(self, request: Request, sampling: Sampling,
                cancel: threading.Event | None = None) -> Iterator[Event]:
         prompt = self.checked_prompt(request)
-        return speculative_stream(self.target, self.drafter, prompt, sampling, self.depth, self.acceptance, cancel,
+        depth = self.depth
+        if isinstance(self.drafter, LookupFirst):  # `depth` is the model drafter's; lookup runs may be longer
+            self.drafter.model_depth = depth
+            depth = max(depth, self.drafter.lookup_depth)
+        return speculative_stream(self.target, self.drafter, prompt, sampling, depth, self.acceptance, cancel,
                                   self.strict)
 
     def close(self) -> None:
@@ -65,6 +69,14 @@ class SpeculativeBackend(Backend):
 
 
 def make_drafter(profile, target: TorchBackend) -> Drafter:
+    spec = profile.speculative
+    model = make_model_drafter(profile, target)
+    if spec.lookup:
+        return LookupFirst(model, spec.lookup, spec.ngram_min, spec.ngram_max, spec.depth)
+    return model
+
+
+def make_model_drafter(profile, target: TorchBackend) -> Drafter:
     spec = profile.speculative
     if spec.method == "ngram":
         return NgramDrafter(spec.ngram_min, spec.ngram_max)

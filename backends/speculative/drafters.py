@@ -23,6 +23,37 @@ class NgramDrafter(Drafter):
         return Draft(self.index.propose(tokens, depth))
 
 
+class LookupFirst(Drafter):
+    """Prompt lookup first, a model drafter otherwise: when the last `n_max`..`n_min` tokens
+    appeared earlier in the conversation, propose up to `lookup_depth` tokens that followed them
+    (copying runs are long and usually right); else ask `model` for up to `model_depth` guesses.
+    The model drafter still sees every commit, so it stays in step on the passes it sits out.
+    Lookup drafts carry no distribution: under `rejection` acceptance those passes use `exact`."""
+
+    def __init__(self, model: Drafter, lookup_depth: int, n_min: int = 2, n_max: int = 3, model_depth: int = 1):
+        self.model, self.index = model, NgramIndex(n_min, n_max)
+        self.lookup_depth, self.model_depth = lookup_depth, model_depth
+        self.name = f"{model.name}+lookup"
+        self.hidden_layers = model.hidden_layers
+        self.max_depth = model.max_depth  # what `depth` may ask of the model drafter
+
+    def start(self, prompt_ids, hidden, sampling: Sampling) -> None:
+        self.index.reset()
+        self.model.start(prompt_ids, hidden, sampling)
+
+    def propose(self, tokens: Sequence[int], depth: int) -> Draft:
+        found = self.index.propose(tokens, min(depth, self.lookup_depth))
+        if found:
+            return Draft(found)
+        return self.model.propose(tokens, min(depth, self.model_depth))
+
+    def commit(self, tokens, hidden) -> None:
+        self.model.commit(tokens, hidden)
+
+    def close(self) -> None:
+        self.model.close()
+
+
 class DraftModelDrafter(Drafter):
     """A separate small model with the target's tokenizer, decoding ahead autoregressively.
 

@@ -8,7 +8,7 @@ from backends.base import Request, Sampling, run_to_summary
 from backends.native.engine import TorchBackend
 from backends.speculative.backend import SpeculativeBackend
 from backends.speculative.dflash import DFlashDrafter, load_dflash
-from backends.speculative.drafters import DraftModelDrafter, NgramDrafter
+from backends.speculative.drafters import DraftModelDrafter, LookupFirst, NgramDrafter
 from specchat.compare import judge_tokens
 from specchat.verify import fresh, margin_function
 from tests.native.tiny import add_mtp_head, make_hf_checkpoint
@@ -57,7 +57,18 @@ def drafters(tiny_pair, target, tmp_path_factory):
         "ngram": lambda acceptance: NgramDrafter(1, 3),
         "draft": lambda acceptance: DraftModelDrafter(draft_engine, want_q=acceptance == "rejection"),
         "self": lambda acceptance: DraftModelDrafter(self_engine, want_q=acceptance == "rejection"),
+        # prompt lookup in front of each model drafter (single-token matches, so random models use both;
+        # model_depth 8 until the backend sets the profile's depth)
+        "mtp+lookup": lambda acceptance: with_lookup(mtp_drafter(target, tiny_pair[0], acceptance)),
+        "dflash+lookup": lambda acceptance: with_lookup(
+            DFlashDrafter(dflash, target, want_q=acceptance == "rejection")),
+        "draft+lookup": lambda acceptance: with_lookup(
+            DraftModelDrafter(draft_engine, want_q=acceptance == "rejection")),
     }
+
+
+def with_lookup(model_drafter) -> LookupFirst:
+    return LookupFirst(model_drafter, lookup_depth=4, n_min=1, n_max=3, model_depth=8)
 
 
 def compare(target, drafter, depth, sampling, messages=PROMPTS[0], acceptance="exact"):

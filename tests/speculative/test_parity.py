@@ -18,6 +18,36 @@ def test_speculative_equals_target_only(target, drafters, method, depth, samplin
     assert out.passes <= ref.passes
 
 
+class Counting:
+    """Wraps a drafter's (or an n-gram index's) propose to count the passes it drafted."""
+
+    def __init__(self, drafter):
+        self.drafter, self.passes = drafter, 0
+        self._propose = drafter.propose
+        drafter.propose = self
+
+    def __call__(self, tokens, depth):
+        draft = self._propose(tokens, depth)
+        guessed = draft if isinstance(draft, list) else draft.tokens
+        self.passes += bool(guessed)
+        self.longest = max(getattr(self, "longest", 0), len(guessed))
+        return draft
+
+
+@pytest.mark.parametrize("method", ["mtp+lookup", "dflash+lookup", "draft+lookup"])
+@pytest.mark.parametrize("depth", [1, 2, 5])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "t1.2-topk-topp"])
+def test_lookup_first_keeps_parity_and_uses_both_drafters(target, drafters, method, depth, sampling):
+    drafter = drafters[method]("exact")
+    lookup, model = Counting(drafter.index), Counting(drafter.model)
+    ref, out, verdict = compare(target, drafter, depth, sampling)
+    assert verdict.kind == "identical", verdict.line()
+    assert out.tokens == ref.tokens and out.stop_reason == ref.stop_reason
+    assert lookup.passes > 0 and model.passes > 0  # both kinds of pass happened, the model stayed in step
+    assert getattr(model, "longest", 0) <= depth  # `depth` is the model drafter's; lookup has its own
+    assert lookup.longest == drafter.lookup_depth  # lookup runs are not capped by the model's depth
+
+
 def test_self_drafting_accepts_every_draft_under_greedy(target, drafters):
     depth = 4
     ref, out, verdict = compare(target, drafters["self"]("exact"), depth, Sampling(max_tokens=41))
@@ -44,7 +74,8 @@ def test_multi_turn_prefix_reuse_keeps_parity(target, drafters):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(method=st.sampled_from(["ngram", "draft", "mtp", "dflash"]), depth=st.integers(1, 8),
+@given(method=st.sampled_from(["ngram", "draft", "mtp", "dflash", "mtp+lookup", "dflash+lookup"]),
+       depth=st.integers(1, 8),
        temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5]), top_k=st.sampled_from([0, 1, 5, 50]),
        top_p=st.sampled_from([1.0, 0.95, 0.5]), seed=st.integers(0, 2**31 - 1),
        prompt=st.sampled_from(PROMPTS), max_tokens=st.integers(1, 30))

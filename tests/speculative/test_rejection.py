@@ -87,3 +87,16 @@ def test_end_to_end_drafted_token_follows_the_target(target, tiny_pair, tmp_path
     assert drafted >= n  # every second token went through the rule
     assert 0 < accepted < drafted
     assert total_variation(counts, expected / n, n) < 0.08
+
+
+def test_lookup_passes_fall_back_to_exact_acceptance(target, drafters):
+    """Under `rejection`, lookup drafts (no distribution) are judged by `exact` and the model
+    drafter's by the rejection rule; mixing the two per pass runs to the end."""
+    from tests.speculative.test_parity import Counting
+
+    drafter = drafters["draft+lookup"]("rejection")
+    lookup, model = Counting(drafter.index), Counting(drafter.model)
+    spec = SpeculativeBackend(target, drafter, 2, "rejection")
+    out = run_to_summary(fresh(spec).stream(Request(messages=PROMPTS[0]), Sampling(temperature=0.8, seed=4, max_tokens=40)))
+    assert out.tokens == 40 and out.error is None
+    assert lookup.passes > 0 and model.passes > 0
