@@ -48,6 +48,13 @@ class ProfileResult:
         drafts = sum(s.drafts for s in subs)
         return 1.0 + sum(s.accepted_tokens for s in subs) / drafts if drafts else 1.0
 
+    def tokens_per_pass(self, task: Optional[str] = None) -> float:
+        """Tokens emitted per target pass over every pass, drafted or not (what pays for the
+        drafting; `mean_accepted` counts only passes that verified a draft)."""
+        subs = self.subset(task)
+        passes = sum(s.passes for s in subs)
+        return sum(s.tokens for s in subs) / passes if passes else 0.0
+
     def acceptance_by_position(self) -> list[float]:
         acc: list[int] = []
         dr: list[int] = []
@@ -167,12 +174,13 @@ def to_json(results: list[ProfileResult]) -> dict:
         row = {
             "label": r.label, "backend": r.profile.backend, "method": r.profile.method,
             "depth": r.profile.speculative.depth if r.profile.method != "none" else 0,
+            "lookup": r.profile.speculative.lookup,
             "model": r.profile.model, "prompts": len(r.runs), "tokens": r.tokens(),
             "decode_tok_s": r.decode_tok_s(), "ttft_s": r.ttft_s(), "mean_accepted": r.mean_accepted(),
-            "acceptance_by_position": r.acceptance_by_position(), "reference": r.reference,
+            "tokens_per_pass": r.tokens_per_pass(), "acceptance_by_position": r.acceptance_by_position(), "reference": r.reference,
             "speedup": speedup(results, r), "load_s": r.load_s,
             "by_task": {t: {"decode_tok_s": r.decode_tok_s(t), "mean_accepted": r.mean_accepted(t),
-                            "speedup": speedup(results, r, t)} for t in tasks_of(results)},
+                            "tokens_per_pass": r.tokens_per_pass(t), "speedup": speedup(results, r, t)} for t in tasks_of(results)},
         }
         out["rows"].append(row)
     return out
@@ -183,21 +191,25 @@ def render(results: list[ProfileResult]):
     from rich.table import Table
 
     table = Table(title="specchat bench", show_lines=False)
-    for col in ("profile", "backend", "method", "prompts", "decode tok/s", "TTFT s", "accepted/pass", "speed-up"):
+    for col in ("profile", "backend", "method", "prompts", "decode tok/s", "TTFT s", "accepted/pass", "tokens/pass",
+                "speed-up"):
         table.add_column(col, justify="left" if col in ("profile", "backend", "method") else "right")
     tasks = tasks_of(results)
     for t in tasks if len(tasks) > 1 else []:
         table.add_column(t, justify="right")
     for r in results:
         sp = speedup(results, r)
-        method = r.profile.method if r.profile.method == "none" else f"{r.profile.method}:{r.profile.speculative.depth}"
+        spec = r.profile.speculative
+        method = r.profile.method if r.profile.method == "none" else f"{r.profile.method}:{spec.depth}"
+        if spec.lookup:
+            method += f"+lookup:{spec.lookup}"
         speculated = r.profile.method != "none"
         if r.profile.remote:  # the server's own speculation, and only what it reported
             method = r.profile.method_label
             speculated = any(run.summary.drafts for run in r.runs)
         cells = [r.label, r.profile.backend, method, str(len(r.runs)), f"{r.decode_tok_s():.1f}",
                  f"{r.ttft_s():.3f}", f"{r.mean_accepted():.2f}" if speculated else "-",
-                 f"{sp:.2f}x" if sp else "-"]
+                 f"{r.tokens_per_pass():.2f}" if speculated and r.tokens_per_pass() else "-", f"{sp:.2f}x" if sp else "-"]
         for t in tasks if len(tasks) > 1 else []:
             tsp = speedup(results, r, t)
             cells.append(f"{r.decode_tok_s(t):.1f}" + (f" ({tsp:.2f}x)" if tsp else ""))

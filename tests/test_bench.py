@@ -36,3 +36,5 @@ def test_bench_measures_speedup_against_the_reference(tiny_spec_profile, tmp_pat
     assert spec["reference"] == "tiny-ngram:target-only" and spec["speedup"] > 0
     assert spec["prompts"] == ref["prompts"] == 2 and spec["tokens"] == ref["tokens"]
     assert spec["mean_accepted"] >= 1.0 and ref["speedup"] is None
+    # every pass counts: target-only emits one token per pass, drafting at most mean_accepted
+    assert ref["tokens_per_pass"] == 1.0 and 1.0 <= spec["tokens_per_pass"] <= spec["mean_accepted"]
