@@ -177,10 +177,11 @@ def to_json(results: list[ProfileResult]) -> dict:
             "lookup": r.profile.speculative.lookup,
             "model": r.profile.model, "prompts": len(r.runs), "tokens": r.tokens(),
             "decode_tok_s": r.decode_tok_s(), "ttft_s": r.ttft_s(), "mean_accepted": r.mean_accepted(),
-            "tokens_per_pass": r.tokens_per_pass(), "acceptance_by_position": r.acceptance_by_position(), "reference": r.reference,
-            "speedup": speedup(results, r), "load_s": r.load_s,
+            "tokens_per_pass": r.tokens_per_pass(), "acceptance_by_position": r.acceptance_by_position(),
+            "reference": r.reference, "speedup": speedup(results, r), "load_s": r.load_s,
             "by_task": {t: {"decode_tok_s": r.decode_tok_s(t), "mean_accepted": r.mean_accepted(t),
-                            "tokens_per_pass": r.tokens_per_pass(t), "speedup": speedup(results, r, t)} for t in tasks_of(results)},
+                            "tokens_per_pass": r.tokens_per_pass(t), "speedup": speedup(results, r, t)}
+                        for t in tasks_of(results)},
         }
         out["rows"].append(row)
     return out
@@ -207,9 +208,10 @@ def render(results: list[ProfileResult]):
         if r.profile.remote:  # the server's own speculation, and only what it reported
             method = r.profile.method_label
             speculated = any(run.summary.drafts for run in r.runs)
+        per_pass = r.tokens_per_pass() if speculated else 0.0
         cells = [r.label, r.profile.backend, method, str(len(r.runs)), f"{r.decode_tok_s():.1f}",
                  f"{r.ttft_s():.3f}", f"{r.mean_accepted():.2f}" if speculated else "-",
-                 f"{r.tokens_per_pass():.2f}" if speculated and r.tokens_per_pass() else "-", f"{sp:.2f}x" if sp else "-"]
+                 f"{per_pass:.2f}" if per_pass else "-", f"{sp:.2f}x" if sp else "-"]
         for t in tasks if len(tasks) > 1 else []:
             tsp = speedup(results, r, t)
             cells.append(f"{r.decode_tok_s(t):.1f}" + (f" ({tsp:.2f}x)" if tsp else ""))
