@@ -71,6 +71,22 @@ def with_lookup(model_drafter) -> LookupFirst:
     return LookupFirst(model_drafter, lookup_depth=4, n_min=1, n_max=3, model_depth=8)
 
 
+class Counting:
+    """Wraps a drafter's (or an n-gram index's) propose: how many passes it drafted, and its longest draft."""
+
+    def __init__(self, drafter):
+        self.passes = self.longest = 0
+        self._propose = drafter.propose
+        drafter.propose = self
+
+    def __call__(self, tokens, depth):
+        draft = self._propose(tokens, depth)
+        guessed = draft if isinstance(draft, list) else draft.tokens
+        self.passes += bool(guessed)
+        self.longest = max(self.longest, len(guessed))
+        return draft
+
+
 def compare(target, drafter, depth, sampling, messages=PROMPTS[0], acceptance="exact"):
     """(reference summary, speculative summary, verdict) for one prompt."""
     spec = SpeculativeBackend(target, drafter, depth, acceptance)

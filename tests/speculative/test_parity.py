@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends.base import Sampling
-from tests.speculative.conftest import PROMPTS, SAMPLINGS, compare
+from tests.speculative.conftest import PROMPTS, SAMPLINGS, Counting, compare
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft", "self", "mtp", "mtp-prenorm", "dflash"])
@@ -18,22 +18,6 @@ def test_speculative_equals_target_only(target, drafters, method, depth, samplin
     assert out.passes <= ref.passes
 
 
-class Counting:
-    """Wraps a drafter's (or an n-gram index's) propose to count the passes it drafted."""
-
-    def __init__(self, drafter):
-        self.drafter, self.passes = drafter, 0
-        self._propose = drafter.propose
-        drafter.propose = self
-
-    def __call__(self, tokens, depth):
-        draft = self._propose(tokens, depth)
-        guessed = draft if isinstance(draft, list) else draft.tokens
-        self.passes += bool(guessed)
-        self.longest = max(getattr(self, "longest", 0), len(guessed))
-        return draft
-
-
 @pytest.mark.parametrize("method", ["mtp+lookup", "dflash+lookup", "draft+lookup"])
 @pytest.mark.parametrize("depth", [1, 2, 5])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "t1.2-topk-topp"])
@@ -44,7 +28,7 @@ def test_lookup_first_keeps_parity_and_uses_both_drafters(target, drafters, meth
     assert verdict.kind == "identical", verdict.line()
     assert out.tokens == ref.tokens and out.stop_reason == ref.stop_reason
     assert lookup.passes > 0 and model.passes > 0  # both kinds of pass happened, the model stayed in step
-    assert getattr(model, "longest", 0) <= depth  # `depth` is the model drafter's; lookup has its own
+    assert model.longest <= depth  # `depth` is the model drafter's; lookup has its own
     assert lookup.longest == drafter.lookup_depth  # lookup runs are not capped by the model's depth
 
 

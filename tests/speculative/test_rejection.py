@@ -12,7 +12,7 @@ from backends.speculative.acceptance import accept_rejection
 from backends.speculative.backend import SpeculativeBackend
 from backends.speculative.drafters import DraftModelDrafter
 from specchat.verify import fresh
-from tests.speculative.conftest import PROMPTS
+from tests.speculative.conftest import PROMPTS, Counting
 
 
 def total_variation(counts: Counter, p: torch.Tensor, n: int) -> float:
@@ -92,11 +92,10 @@ def test_end_to_end_drafted_token_follows_the_target(target, tiny_pair, tmp_path
 def test_lookup_passes_fall_back_to_exact_acceptance(target, drafters):
     """Under `rejection`, lookup drafts (no distribution) are judged by `exact` and the model
     drafter's by the rejection rule; mixing the two per pass runs to the end."""
-    from tests.speculative.test_parity import Counting
-
     drafter = drafters["draft+lookup"]("rejection")
     lookup, model = Counting(drafter.index), Counting(drafter.model)
     spec = SpeculativeBackend(target, drafter, 2, "rejection")
-    out = run_to_summary(fresh(spec).stream(Request(messages=PROMPTS[0]), Sampling(temperature=0.8, seed=4, max_tokens=40)))
+    sampling = Sampling(temperature=0.8, seed=4, max_tokens=40)
+    out = run_to_summary(fresh(spec).stream(Request(messages=PROMPTS[0]), sampling))
     assert out.tokens == 40 and out.error is None
     assert lookup.passes > 0 and model.passes > 0
