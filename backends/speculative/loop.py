@@ -116,6 +116,9 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
     detok = IncrementalDetokenizer(target.detokenize)
     layers = drafter.hidden_layers
     use_rejection = acceptance == "rejection" and not sampling.greedy
+    if cancel is not None and cancel.is_set():  # as target-only decoding: nothing is run
+        yield stats.finish(STOP_CANCELLED, "")
+        return
 
     # Prefill: reuse the cached prefix unless the drafter needs hidden states of every prompt position.
     start = 0 if layers else min(common_prefix(target.cached, prompt), len(prompt) - 1)
@@ -146,7 +149,9 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
             reason = STOP_CANCELLED
             break
         n = len(tokens)
-        room = target.context_length - n  # the block may reach position context_length - 1
+        # as in target-only decoding, no token at position context_length or beyond: the block
+        # [last, d_0 .. d_{k-1}] chooses tokens at positions n .. n+k, so k <= context_length - 1 - n
+        room = target.context_length - 1 - n
         if room < 0:
             reason = STOP_CONTEXT_FULL
             break

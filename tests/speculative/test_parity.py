@@ -122,3 +122,27 @@ def test_draft_model_on_an_int4_target_guesses_with_an_int4_head(tmp_path):
     request, sampling = Request(messages=[{"role": "user", "content": "hello there"}]), Sampling(max_tokens=30)
     ref = run_to_summary(fresh(spec.target).stream(request, sampling))
     assert run_to_summary(fresh(spec).stream(request, sampling)).token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("method", ["ngram", "self", "mtp"])
+def test_a_full_context_ends_where_target_only_ends(target, drafters, method):
+    # no token at position context_length or beyond, however many drafts the last pass could take
+    ref, out, verdict = compare(target, drafters[method]("exact"), 4, Sampling(max_tokens=1000))
+    assert ref.stop_reason == "context_full" and ref.prompt_tokens + ref.tokens == target.context_length
+    assert verdict.kind == "identical", verdict.line()
+    assert out.tokens == ref.tokens and out.stop_reason == "context_full"
+
+
+def test_a_reply_cancelled_before_it_starts_runs_nothing(target, drafters):
+    import threading
+
+    from backends.base import Request, run_to_summary
+    from backends.speculative.backend import SpeculativeBackend
+    from specchat.verify import fresh
+
+    cancel = threading.Event()
+    cancel.set()
+    request, sampling = Request(messages=PROMPTS[0]), Sampling(max_tokens=10)
+    ref = run_to_summary(fresh(target).stream(request, sampling, cancel))
+    out = run_to_summary(SpeculativeBackend(target, drafters["ngram"]("exact"), 3).stream(request, sampling, cancel))
+    assert (ref.stop_reason, ref.tokens) == (out.stop_reason, out.tokens) == ("cancelled", 0)
