@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from backends.base import STOP_CANCELLED
+
 IDENTICAL = "identical"
 NEAR_TIE = "near-tie"
 MISMATCH = "mismatch"
@@ -26,9 +28,8 @@ def near_tie_margin(dtype: str | None) -> float:
 
 
 def first_divergence(ref: Sequence, other: Sequence) -> Optional[int]:
-    """Index of the first differing element, or None when one is a prefix of the other.
-
-    A reply that stopped earlier (max tokens, cancelled) is not a divergence by itself."""
+    """Index of the first differing element, or None when one is a prefix of the other
+    (see `judge_tokens` for when a different length is itself a divergence)."""
     for i, (a, b) in enumerate(zip(ref, other)):
         if a != b:
             return i
@@ -64,19 +65,32 @@ class Verdict:
 def judge_tokens(ref_ids: Sequence[int], other_ids: Sequence[int],
                  decode: Callable[[Sequence[int]], str],
                  margin_at: Optional[Callable[[int, int, int], float]] = None,
-                 tie_margin: float = NEAR_TIE_MARGIN["default"]) -> Verdict:
+                 tie_margin: float = NEAR_TIE_MARGIN["default"],
+                 stops: Optional[tuple[str, str]] = None) -> Verdict:
     """Compare two token-id replies.
 
     `margin_at(index, ref_token, other_token)` returns the reference's score gap at that
-    position; without it every divergence counts as a mismatch (we never assume a tie)."""
+    position; without it every divergence counts as a mismatch (we never assume a tie).
+    `stops`: both replies' stop reasons, when both ran under the same sampling settings; then
+    ending differently (one reply longer, or eos against max tokens) is a mismatch unless one
+    of them was cancelled. Without it, a reply that stopped earlier is only a shorter reply."""
     compared = min(len(ref_ids), len(other_ids))
     i = first_divergence(ref_ids, other_ids)
     if i is None:
-        return Verdict(IDENTICAL, compared=compared)
+        ended_apart = stops is not None and STOP_CANCELLED not in stops and (
+            len(ref_ids) != len(other_ids) or stops[0] != stops[1])
+        if not ended_apart:
+            return Verdict(IDENTICAL, compared=compared)
+        return Verdict(MISMATCH, compared, _end_text(ref_ids, compared, stops[0], decode),
+                       _end_text(other_ids, compared, stops[1], decode), None, compared)
     a, b = ref_ids[i], other_ids[i]
     margin = margin_at(i, a, b) if margin_at else None
     kind = NEAR_TIE if margin is not None and abs(margin) <= tie_margin else MISMATCH
     return Verdict(kind, i, decode([a]), decode([b]), margin, compared)
+
+
+def _end_text(ids: Sequence[int], i: int, stop: str, decode: Callable[[Sequence[int]], str]) -> str:
+    return decode([ids[i]]) if i < len(ids) else f"<{stop}>"
 
 
 def judge_text(ref: str, other: str) -> Verdict:

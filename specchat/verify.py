@@ -90,7 +90,8 @@ def judge_replies(reference: Backend, request: Request, ref: Summary, other: Sum
     if torch_engine_of(reference) is not None:
         margin_at = margin_function(reference, reference.prompt_ids(request), ref.token_ids, sampling)
     return judge_tokens(ref.token_ids, other.token_ids, reference.detokenize, margin_at,
-                        tie_margin if tie_margin is not None else tie_margin_of(reference))
+                        tie_margin if tie_margin is not None else tie_margin_of(reference),
+                        stops=(ref.stop_reason, other.stop_reason))
 
 
 def check_prompt(spec: Backend, reference: Backend, request: Request, sampling: Sampling) -> tuple[Summary, Summary, Verdict]:

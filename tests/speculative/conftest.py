@@ -95,7 +95,8 @@ def compare(target, drafter, depth, sampling, messages=PROMPTS[0], acceptance="e
     out = run_to_summary(fresh(spec).stream(request, sampling))
     prompt = target.prompt_ids(request)
     verdict = judge_tokens(ref.token_ids, out.token_ids, target.detokenize,
-                           margin_function(target, prompt, ref.token_ids, sampling), 1e-4)
+                           margin_function(target, prompt, ref.token_ids, sampling), 1e-4,
+                           stops=(ref.stop_reason, out.stop_reason))
     return ref, out, verdict
 
 

@@ -1,0 +1,41 @@
+"""Token alignment and the verdicts behind `specchat verify` and the A/B view."""
+from specchat.compare import IDENTICAL, MISMATCH, NEAR_TIE, judge_text, judge_tokens
+
+
+def decode(ids):
+    return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_identical_replies():
+    v = judge_tokens([1, 2, 3], [1, 2, 3], decode, stops=("eos", "eos"))
+    assert v.kind == IDENTICAL and v.compared == 3 and v.ok
+
+
+def test_divergence_is_a_near_tie_only_within_the_margin():
+    gap = {2: 0.1}
+    margin_at = lambda i, a, b: gap.get(i, 5.0)  # noqa: E731
+    v = judge_tokens([1, 2, 3, 4], [1, 2, 5, 4], decode, margin_at, tie_margin=0.25)
+    assert (v.kind, v.index, v.ref_text, v.other_text, v.margin) == (NEAR_TIE, 2, "d", "f", 0.1)
+    v = judge_tokens([1, 2, 3, 4], [1, 7, 3, 4], decode, margin_at, tie_margin=0.25)
+    assert v.kind == MISMATCH and v.index == 1 and not v.ok
+    # without a way to score the divergence it is never assumed to be a tie
+    assert judge_tokens([1, 2], [1, 3], decode).kind == MISMATCH
+
+
+def test_a_reply_that_ends_early_is_a_mismatch_when_both_ran_to_their_end():
+    # e.g. one side emitted a token past the context window, or stopped at a wrong end of sequence
+    v = judge_tokens([1, 2, 3], [1, 2, 3, 4], decode, stops=("context_full", "context_full"))
+    assert (v.kind, v.index, v.ref_text, v.other_text) == (MISMATCH, 3, "<context_full>", "e")
+    v = judge_tokens([1, 2, 3], [1, 2, 3], decode, stops=("max_tokens", "eos"))
+    assert v.kind == MISMATCH and v.index == 3 and "<max_tokens>" in v.line()
+
+
+def test_a_cancelled_or_unjudged_end_is_only_a_shorter_reply():
+    assert judge_tokens([1, 2, 3], [1, 2], decode, stops=("eos", "cancelled")).kind == IDENTICAL
+    assert judge_tokens([1, 2, 3], [1, 2], decode).kind == IDENTICAL  # no stop reasons given (a partial view)
+
+
+def test_text_alignment_for_servers_without_token_ids():
+    assert judge_text("hello world", "hello world").kind == IDENTICAL
+    v = judge_text("hello world", "hello there")
+    assert v.kind == MISMATCH and v.index == 6 and v.by == "text"
