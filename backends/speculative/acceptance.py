@@ -39,13 +39,24 @@ def accept_rejection(draft: Sequence[int], p: torch.Tensor, q: torch.Tensor, uni
     """`p`: target probabilities at each draft position plus the bonus one ([k+1, V]);
     `q`: the drafter's probabilities its drafts were sampled from ([k, V]);
     `uniforms[i]`: the U(0,1) draw for position i; `sample_from(dist, i)` samples a token from an
-    (unnormalised) distribution with the noise of position i."""
+    (unnormalised) distribution with the noise of position i.
+
+    p and q may differ in width (a draft model whose head is padded to another size than the
+    target's, e.g. Qwen2.5-0.5B's 151,936 rows against 7B's 152,064): past its own rows a
+    distribution is zero."""
+    V = p.shape[-1]
     for i, x in enumerate(draft):
-        px, qx = float(p[i, x]), float(q[i, x])
+        px, qx = (float(p[i, x]) if x < V else 0.0), float(q[i, x])
         if qx > 0 and float(uniforms[i]) * qx <= px:
             continue
-        residual = torch.clamp(p[i] - q[i], min=0.0)
+        residual = torch.clamp(p[i] - _width(q[i], V), min=0.0)
         if float(residual.sum()) <= 0:  # p == q: any rejection is a numerical accident; fall back to p
             residual = p[i]
         return Verdict(i, sample_from(residual, i))
     return Verdict(len(draft), sample_from(p[len(draft)], len(draft)))
+
+
+def _width(row: torch.Tensor, width: int) -> torch.Tensor:
+    """row cut or zero-padded to `width` entries."""
+    n = row.shape[-1]
+    return row[:width] if n >= width else torch.nn.functional.pad(row, (0, width - n))

@@ -41,6 +41,17 @@ def test_rejection_rule_reproduces_p():
     assert total_variation(draw(p, q, n, accept_rejection), p[0], n) < 0.03
 
 
+@pytest.mark.parametrize("q_row", [[0.1, 0.2, 0.3, 0.4, 0.0, 0.0], [0.1, 0.2, 0.3, 0.2, 0.2]],
+                         ids=["draft-head-wider", "draft-head-wider-with-mass-past-the-target"])
+def test_rejection_rule_with_heads_of_different_widths(q_row):
+    # a draft model whose vocabulary is padded to another size than the target's
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
+    n = 6000
+    assert total_variation(draw(p, torch.tensor([q_row]), n, accept_rejection), p[0], n) < 0.03
+    narrow = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0, 0.0], [0.2] * 5 + [0.0]])  # the target's head is wider
+    assert total_variation(draw(narrow, torch.tensor([[0.1, 0.2, 0.3, 0.4]]), n, accept_rejection), narrow[0], n) < 0.03
+
+
 def test_a_broken_rule_is_caught():
     def accept_always(draft, p, q, u, sample_from):
         return type(accept_rejection(draft, p, q, u, sample_from))(len(draft), 0)
