@@ -99,6 +99,10 @@ def sample(logits: Tensor, positions: Sequence[int] | Tensor, s: Sampling) -> Te
         positions = positions.tolist()
     if len(positions) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} logits rows but {len(positions)} positions")
+    if logits.shape[0] > 1:
+        # Row by row, as target-only decoding samples: CPU reductions over a batch of rows (the
+        # logsumexp behind top-p) can round differently from the same reduction over one row.
+        return torch.cat([sample(logits[i:i + 1], positions[i:i + 1], s) for i in range(len(positions))])
     ids, vals = candidates(logits, s)
     g = gumbel_noise(s.seed, positions, ids, logits.device)
     return ids.gather(-1, (vals + g).argmax(-1, keepdim=True)).squeeze(-1)
