@@ -71,9 +71,17 @@ class ProfileResult:
         return sum(s.tokens for s in self.subset(None))
 
 
+def _target_run(p: Profile) -> dict:
+    """Everything that decides how a profile's target decodes (all but its name and speculation)."""
+    settings = p.model_dump(exclude={"name", "description", "extends", "speculative", "source"})
+    settings["model"] = p.resolve_path(p.model)
+    return settings
+
+
 def _is_reference_for(ref: Profile, p: Profile) -> bool:
-    return (ref.method == "none" and ref.backend == p.backend and ref.model == p.model
-            and ref.dtype == p.dtype and ref.resolve_path(ref.model) == p.resolve_path(p.model))
+    """A target-only row measures p's speed-up only if it runs p's target exactly as p does
+    (same model, precision, device, threads, context, system prompt and sampling)."""
+    return ref.method == "none" and _target_run(ref) == _target_run(p)
 
 
 def plan(profiles: list[Profile]) -> list[tuple[str, Profile, Optional[str]]]:

@@ -14,6 +14,10 @@ def test_speculative_profiles_get_their_target_only_reference():
         ("smollm2-ngram", "ngram", "smollm2-ngram:target-only"), ("smollm2-ngram:target-only", "none", None)]
     rows = bench.plan([ps.get("smollm2"), ps.get("smollm2-ngram")])
     assert [ref for _, _, ref in rows] == [None, "smollm2"]  # an existing target-only row is reused
+    # ... but only one that runs the target as the speculative profile does
+    other = ps.get("smollm2").with_overrides({"threads": 1, "sampling.temperature": 0.7})
+    rows = bench.plan([other, ps.get("smollm2-ngram")])
+    assert [ref for _, _, ref in rows] == [None, "smollm2-ngram:target-only", None]
 
 
 @pytest.fixture
