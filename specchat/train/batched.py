@@ -12,6 +12,8 @@ training steps recompute the target's hidden states and labels with the engine.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from backends.base import Sampling
@@ -22,8 +24,10 @@ from specchat.train.data import Sample
 
 @torch.inference_mode()
 def generate_batch(model, prompts: list[list[int]], sampling: Sampling, top_k: int, eos_ids: frozenset[int],
-                   pad_id: int) -> list[Sample]:
-    """Replies to `prompts` (token ids), decoded together until each ends or reaches max_tokens."""
+                   pad_id: int, seeds: list[int] | None = None) -> list[Sample]:
+    """Replies to `prompts` (token ids), decoded together until each ends or reaches max_tokens.
+    `seeds`: one sampling seed per row (rows with the same prompt then still differ)."""
+    rows = [replace(sampling, seed=seed) for seed in seeds] if seeds else None
     B, L = len(prompts), max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in prompts])
     mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
@@ -37,7 +41,9 @@ def generate_batch(model, prompts: list[list[int]], sampling: Sampling, top_k: i
     for step in range(sampling.max_tokens):
         logp = torch.log_softmax(logits, dim=-1)
         v, i = logp.topk(top_k, dim=-1)
-        chosen = sampler.sample(logits, [len(p) + step for p in prompts], sampling)
+        positions_now = [len(p) + step for p in prompts]
+        chosen = (sampler.sample(logits, positions_now, sampling) if rows is None else
+                  torch.cat([sampler.sample(logits[r:r + 1], positions_now[r:r + 1], rows[r]) for r in range(B)]))
         for r in range(B):
             if stops[r]:
                 continue

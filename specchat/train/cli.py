@@ -22,6 +22,18 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_prompts(args) -> int:
+    from specchat.cli import _profile
+    from specchat.train.self_prompts import make_prompts
+
+    profile = _profile(args.target)
+    if args.threads is not None:
+        profile = profile.model_copy(update={"threads": args.threads})
+    make_prompts(profile, Path(args.out), args.count, temperature=args.temperature, top_p=args.top_p,
+                 max_tokens=args.max_tokens, batch=args.batch, seed=args.seed, say=_say)
+    return 0
+
+
 def cmd_draft(args) -> int:
     from specchat.cli import _profile
     from specchat.train.draft import DraftShape, TrainConfig, train_draft
@@ -83,6 +95,18 @@ def cmd_cost(args) -> int:
 def add_train_parser(sub) -> None:
     tp = sub.add_parser("train", help="train a draft model for a target (distillation data, then the drafter)")
     tsub = tp.add_subparsers(dest="train_command", required=True)
+
+    p = tsub.add_parser("prompts", help="let the target write training prompts itself (Magpie): varied, no dataset")
+    p.add_argument("--target", default="smollm2", help="target profile (an instruction-tuned model)")
+    p.add_argument("--out", required=True, help="jsonl file to append to (resumable: a run stops at --count)")
+    p.add_argument("--count", type=int, default=1000, help="prompts wanted in the file (default 1000)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--max-tokens", type=int, default=96, help="a prompt not finished by then is dropped")
+    p.add_argument("--batch", type=int, default=48, help="prompts written at once (transformers' float32 model)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="override the profile's threads")
+    p.set_defaults(func=cmd_prompts)
 
     p = tsub.add_parser("data", help="let the target answer training prompts; store replies and top-k probabilities")
     p.add_argument("--target", default="smollm2", help="target profile (torch backend)")

@@ -218,21 +218,26 @@ def _answer_one_by_one(profile, todo: list[PromptItem], sampling: Sampling, top_
     return n_tokens
 
 
-def _answer_batched(profile, todo: list[PromptItem], sampling: Sampling, top_k: int, writer: ShardWriter,
-                    total: int, batch: int) -> int:
+def batched_model(profile):
+    """transformers' float32 model of the profile's target and its chat tokenizer, for batched decoding."""
     from backends.hf_reference import load_hf_model
     from backends.native.engine import physical_cores
     from backends.native.tokenizer import ChatTokenizer
-    from specchat.loading import messages_for
     from specchat.models import resolve_model
-    from specchat.train.batched import generate_batch
 
     ref = resolve_model(profile.model, profile.base_dir)
     if ref.kind == "hub":
-        raise BackendError("--batch needs a local model file or directory (the profile names a hub id)")
+        raise BackendError("batched decoding needs a local model file or directory (the profile names a hub id)")
     torch.set_num_threads(profile.threads or physical_cores())
-    model = load_hf_model(ref.path)
-    tokenizer = ChatTokenizer(ref.path)
+    return load_hf_model(ref.path), ChatTokenizer(ref.path)
+
+
+def _answer_batched(profile, todo: list[PromptItem], sampling: Sampling, top_k: int, writer: ShardWriter,
+                    total: int, batch: int) -> int:
+    from specchat.loading import messages_for
+    from specchat.train.batched import generate_batch
+
+    model, tokenizer = batched_model(profile)
     eos = tokenizer.eos_ids
     prompts = []
     for item in todo:

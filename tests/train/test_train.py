@@ -194,3 +194,31 @@ def test_holdout_keeps_every_variant_of_a_task_on_one_side():
     assert len(train) + len(held) == len(examples) and 12 <= len(held) <= 15
     assert {source_task(e.id) for e in train}.isdisjoint(source_task(e.id) for e in held)
     assert [e.id for e in split(examples, 0.1, seed=0)[1]] == [e.id for e in held]  # deterministic
+
+
+@pytest.mark.timeout(600)
+def test_the_default_model_writes_its_own_training_prompts(default_gguf, tmp_path, capsys):
+    out = tmp_path / "self.jsonl"
+    args = ["train", "prompts", "--target", "smollm2", "--out", str(out), "--batch", "4", "--max-tokens", "64"]
+    assert main(args + ["--count", "2"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 2 and len({r["prompt"] for r in records}) == 2
+    assert all(len(r["prompt"]) >= 12 and "<|im_" not in r["prompt"] for r in records)
+    # the file is a prompt set `train data` reads; a second run only tops it up
+    from specchat.train.data import training_prompts
+
+    assert [p.first for p in training_prompts([str(out)])] == [r["prompt"] for r in records]
+    assert main(args + ["--count", "3"]) == 0
+    again = [json.loads(line) for line in out.read_text().splitlines()]
+    assert again[:2] == records and len(again) == 3 and again[2]["attempt"] > records[-1]["attempt"]
+
+
+def test_prompt_prefix_ends_where_the_users_text_starts(default_gguf):
+    from backends.native.tokenizer import ChatTokenizer
+    from specchat.train.self_prompts import user_turn_prefix
+
+    tok = ChatTokenizer(default_gguf)
+    prefix = tok.hf.decode(user_turn_prefix(tok, None))
+    assert prefix.endswith("<|im_start|>user\n")
+    full = tok.hf.decode(tok.encode_chat([{"role": "user", "content": "Hi there"}]))
+    assert full.startswith(prefix + "Hi there")
