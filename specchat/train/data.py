@@ -166,7 +166,7 @@ def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128
     out.mkdir(parents=True, exist_ok=True)
     info = {"target": profile.name, "model": profile.model, "max_tokens": max_tokens, "top_k": top_k,
             "temperature": temperature, "seed": seed, "prompt_files": [str(f) for f in prompt_files],
-            "instances": instances, "variants": variants,
+            "instances": instances, "variants": variants, "limit": limit, "batch": batch,
             "generator": "engine" if batch <= 1 else "transformers float32, batched"}
     info_path = out / INFO
     if info_path.exists():

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from backends.base import BackendError
 from backends.native.model import FINAL, ModelConfig
 from backends.speculative.dflash import FULL, DFlashConfig, DFlashModel, build_target_layer_ids, check_fits
-from specchat.train.draft import (LOG, Example, TrainState, data_command, data_info_of, load_examples, lr_at,
+from specchat.train.draft import (LOG, Example, TrainState, data_commands, data_info_of, load_examples, lr_at,
                                   schedule, split)
 from specchat.train.progress import bar
 
@@ -221,10 +221,10 @@ def evaluate(model, embed, head, examples: list[Example], feats: list[torch.Tens
 
 # ---- training ----
 
-def retrain_command(profile, data: list[Path], out: Path, data_info: dict, shape: DFlashShape,
+def retrain_command(profile, data: list[Path], out: Path, shape: DFlashShape,
                     cfg: DFlashTrainConfig, dcfg: DFlashConfig) -> str:
-    parts = data_command(profile, data, data_info)
-    parts.append(f"specchat train dflash --data {data[0] if data_info else ' '.join(map(str, data))} "
+    parts = data_commands(profile, data)
+    parts.append(f"specchat train dflash --data {' '.join(map(str, data))} "
                  f"--target {profile.name} --out {out} --layers {shape.layers} --ffn {dcfg.layer.ffn_dim} "
                  f"--block-size {dcfg.block_size} --target-layers {' '.join(map(str, dcfg.target_layer_ids))} "
                  f"--mask-token-id {dcfg.mask_token_id} --steps {cfg.steps} --batch-tokens {cfg.batch_tokens} "
@@ -326,7 +326,7 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
         last |= held_out()
     export(model, out)
     write_card(out, profile, data_info, settings, dcfg, cfg, last, n_params, wall, len(train_set), len(eval_set),
-               retrain_command(profile, data, out, data_info, shape, cfg, dcfg))
+               retrain_command(profile, data, out, shape, cfg, dcfg))
     say(f"wrote {out} ({wall:.0f}s of training; held-out {last.get('eval_tokens_per_pass', math.nan):.2f} tokens "
         f"per pass at depth {dcfg.block_size - 1})")
     return last

@@ -146,7 +146,7 @@ def data_info_of(dirs: list[Path]) -> dict:
     infos = [json.loads((d / INFO).read_text()) for d in dirs if (d / INFO).exists()]
     if not infos:
         return {}
-    files = list(dict.fromkeys(f for i in infos for f in i.get("prompt_files", [])))
+    files = list(dict.fromkeys(Path(f).name for i in infos for f in i.get("prompt_files", [])))
     return infos[0] | {"prompt_files": files}
 
 
@@ -302,23 +302,32 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def data_command(profile, data: list[Path], data_info: dict) -> list[str]:
-    """The `specchat train data` command that makes the training data again (none without its info.json)."""
-    if not data_info:
-        return []
-    gen = (f"specchat train data --target {profile.name} --prompts {' '.join(data_info['prompt_files'])} "
-           f"--out {data[0]} --max-tokens {data_info['max_tokens']} --top-k {data_info['top_k']}")
-    if data_info.get("temperature"):
-        gen += f" --temperature {data_info['temperature']} --seed {data_info['seed']}"
-    if data_info.get("instances"):
-        gen += " --instances"
-    return [gen]
+def data_commands(profile, data: list[Path]) -> list[str]:
+    """The `specchat train data` commands that make each data directory again, from its info.json
+    (a directory without one is left out)."""
+    commands = []
+    for d in data:
+        if not (d / INFO).exists():
+            continue
+        info = json.loads((d / INFO).read_text())
+        gen = (f"specchat train data --target {info.get('target', profile.name)} --prompts "
+               f"{' '.join(info['prompt_files'])} --out {d} --max-tokens {info['max_tokens']} --top-k {info['top_k']}")
+        if info.get("temperature"):
+            gen += f" --temperature {info['temperature']} --seed {info['seed']}"
+        for flag in ("instances", "variants"):
+            gen += f" --{flag}" if info.get(flag) else ""
+        if info.get("limit"):
+            gen += f" --limit {info['limit']}"
+        if str(info.get("generator", "")).startswith("transformers"):
+            gen += f" --batch {info.get('batch') or 48}"
+        commands.append(gen)
+    return commands
 
 
-def retrain_command(profile, data: list[Path], out: Path, data_info: dict, shape: DraftShape, cfg: TrainConfig) -> str:
+def retrain_command(profile, data: list[Path], out: Path, shape: DraftShape, cfg: TrainConfig) -> str:
     """The one shell command that makes this drafter again from scratch: data, then training."""
-    parts = data_command(profile, data, data_info)
-    parts.append(f"specchat train draft --data {data[0] if data_info else ' '.join(map(str, data))} --target {profile.name} --out {out} "
+    parts = data_commands(profile, data)
+    parts.append(f"specchat train draft --data {' '.join(map(str, data))} --target {profile.name} --out {out} "
                  f"--layers {shape.layers} --hidden {shape.hidden} --heads {shape.heads} --kv-heads {shape.kv_heads} "
                  f"--ffn {shape.ffn} --steps {cfg.steps} --batch-tokens {cfg.batch_tokens} --lr {cfg.lr} "
                  f"--kl-weight {cfg.kl_weight} --ce-weight {cfg.ce_weight} --holdout {cfg.holdout} --seed {cfg.seed}"
@@ -395,7 +404,7 @@ def train_draft(profile, data: list[Path], out: Path, shape: DraftShape, cfg: Tr
         last |= evaluate(model, eval_set, cfg)
     export(model, tokenizer, out)
     write_card(out, profile, data_info, settings, shape, cfg, last, n_params, wall, len(train_set), len(eval_set),
-               retrain_command(profile, data, out, data_info, shape, cfg))
+               retrain_command(profile, data, out, shape, cfg))
     say(f"wrote {out} ({wall:.0f}s of training; held-out top-1 agreement {last.get('eval_agree', float('nan')):.3f})")
     return last
 

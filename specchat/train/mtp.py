@@ -30,7 +30,7 @@ from torch import nn
 from backends.base import BackendError
 from backends.native.model import FINAL, ModelConfig, rope_inv_freq
 from backends.native.mtp import DRAFT_VOCAB
-from specchat.train.draft import (LOG, STATE_DIR, TrainState, data_command, data_info_of, load_examples, lr_at,
+from specchat.train.draft import (LOG, STATE_DIR, TrainState, data_commands, data_info_of, load_examples, lr_at,
                                   schedule, split, target_source)
 from specchat.train.progress import bar
 
@@ -375,8 +375,8 @@ def export(model: MtpTrainHead, tcfg: ModelConfig, vocab, cfg: MtpTrainConfig, o
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def retrain_command(profile, data: list[Path], out: Path, info: dict, cfg: MtpTrainConfig) -> str:
-    parts = data_command(profile, data, info)
+def retrain_command(profile, data: list[Path], out: Path, cfg: MtpTrainConfig) -> str:
+    parts = data_commands(profile, data)
     parts.append(f"specchat train mtp --data {' '.join(map(str, data))} --target {profile.name} --out {out} "
                  f"--steps {cfg.steps} --batch-tokens {cfg.batch_tokens} --lr {cfg.lr} --top-k {cfg.top_k} "
                  f"--draft-vocab {cfg.draft_vocab} --hidden-source {cfg.hidden_source} --kl-weight {cfg.kl_weight} "
@@ -414,7 +414,7 @@ Spec-Bench was never used for training; it is evaluation only.
 ## Re-train
 
 ```
-{retrain_command(profile, data, out, info, cfg)}
+{retrain_command(profile, data, out, cfg)}
 ```
 
 The training log is in `{LOG}`.

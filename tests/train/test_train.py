@@ -222,3 +222,21 @@ def test_prompt_prefix_ends_where_the_users_text_starts(default_gguf):
     assert prefix.endswith("<|im_start|>user\n")
     full = tok.hf.decode(tok.encode_chat([{"role": "user", "content": "Hi there"}]))
     assert full.startswith(prefix + "Hi there")
+
+
+def test_retrain_command_remakes_every_data_directory(tmp_path):
+    from specchat.profiles import load_profiles
+    from specchat.train.draft import DraftShape, TrainConfig, retrain_command
+
+    profile = load_profiles().get("smollm2")
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, info in ((a, {"max_tokens": 256, "top_k": 32, "prompt_files": ["x.jsonl"], "limit": 224}),
+                    (b, {"max_tokens": 128, "top_k": 16, "prompt_files": ["x.jsonl", "y.jsonl"], "variants": True,
+                         "temperature": 0.7, "seed": 3, "generator": "transformers float32, batched", "batch": 32})):
+        d.mkdir()
+        (d / "info.json").write_text(json.dumps(info))
+    steps = retrain_command(profile, [a, b], tmp_path / "out", DraftShape(), TrainConfig()).split(" && \\\n  ")
+    assert steps[0].endswith(f"--out {a} --max-tokens 256 --top-k 32 --limit 224")
+    assert "--prompts x.jsonl y.jsonl" in steps[1] and steps[1].endswith(
+        f"--out {b} --max-tokens 128 --top-k 16 --temperature 0.7 --seed 3 --variants --batch 32")
+    assert steps[2].startswith(f"specchat train draft --data {a} {b} ")
