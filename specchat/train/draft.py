@@ -141,6 +141,16 @@ def load_examples(dirs: list[Path], max_prompt_tokens: int | None = None) -> lis
     return [seen[k] for k in sorted(seen)]
 
 
+def prompt_sources(data_info: dict) -> str:
+    """The card's account of where the training prompts came from."""
+    names = data_info.get("prompt_files", [])
+    if not names:
+        return "?"
+    notes = ["self-instruct, Apache-2.0" if n.startswith("self-instruct") else f"{n}: see its data directory"
+             for n in names]
+    return ", ".join(names) + " (" + "; ".join(dict.fromkeys(notes)) + ")"
+
+
 def data_info_of(dirs: list[Path]) -> dict:
     """The first directory's settings, with the prompt files of all of them."""
     infos = [json.loads((d / INFO).read_text()) for d in dirs if (d / INFO).exists()]
@@ -429,7 +439,6 @@ def export(model, tokenizer, out: Path) -> None:
 def write_card(out: Path, profile, data_info: dict, settings: dict, shape: DraftShape, cfg: TrainConfig,
                last: dict, n_params: int, wall: float, n_train: int, n_eval: int, command: str) -> None:
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
-    prompts = ", ".join(Path(p).name for p in data_info.get("prompt_files", [])) or "?"
     text = f"""# Draft model for `{profile.name}` ({profile.model})
 
 A small Llama-architecture draft model for lossless speculative decoding in specchat, with the
@@ -441,7 +450,7 @@ wrote with `specchat train data`.
 | shape | {shape.layers} layer(s), hidden {shape.hidden}, {shape.heads} heads ({shape.kv_heads} KV), FFN {shape.ffn}, tied embedding |
 | parameters | {n_params / 1e6:.2f} M ({size_mb:.1f} MB as bfloat16 safetensors) |
 | embedding | {"frozen: " if cfg.freeze_embedding else "trained, initialised from "}the target's embedding, dequantized by the engine's loader{", projected onto its top " + str(shape.hidden) + " principal directions" if shape.hidden < 576 else ""} |
-| data | {n_train} training + {n_eval} held-out replies by the target to prompts from {prompts} (self-instruct, Apache-2.0); greedy={data_info.get('temperature', 0) == 0}, max {data_info.get('max_tokens', '?')} tokens, top-{data_info.get('top_k', '?')} log-probs kept |
+| data | {n_train} training + {n_eval} held-out replies by the target to prompts from {prompt_sources(data_info)}; greedy={data_info.get('temperature', 0) == 0}, max {data_info.get('max_tokens', '?')} tokens, top-{data_info.get('top_k', '?')} log-probs kept |
 | loss | {cfg.kl_weight} x KL(target top-k || draft) + {cfg.ce_weight} x CE on the target's tokens |
 | optimiser | AdamW (0.9, 0.95), lr {cfg.lr} warmup {cfg.warmup:.0%} then cosine to 10%, grad-clip 1.0, ~{cfg.batch_tokens} tokens/step |
 | steps | {last.get('step', cfg.steps)} |

@@ -31,7 +31,7 @@ from backends.base import BackendError
 from backends.native.model import FINAL, ModelConfig, rope_inv_freq
 from backends.native.mtp import DRAFT_VOCAB
 from specchat.train.draft import (LOG, STATE_DIR, TrainState, data_commands, data_info_of, load_examples, lr_at,
-                                  schedule, split, target_source)
+                                  prompt_sources, schedule, split, target_source)
 from specchat.train.progress import bar
 
 
@@ -387,7 +387,6 @@ def retrain_command(profile, data: list[Path], out: Path, cfg: MtpTrainConfig) -
 
 def write_card(out: Path, profile, data, info, cfg, rec, n_params, wall, n_train, n_eval, coverage, n_vocab) -> None:
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
-    prompts = ", ".join(Path(p).name for p in info.get("prompt_files", [])) or "?"
     text = f"""# MTP head for `{profile.name}` ({profile.model})
 
 A multi-token-prediction head (one decoder layer of the target's shape, DeepSeek-V3 layout) for
@@ -400,7 +399,7 @@ own embedding and LM head. Trained by `specchat train mtp` on the target's own s
 | shape | eh_proj (2H -> H) + 1 Llama decoder layer, initialised from the target's last layer |
 | parameters | {n_params / 1e6:.2f} M ({size_mb:.1f} MB as bfloat16 safetensors, with the draft vocabulary) |
 | draft vocabulary | {n_vocab} tokens (the target's most frequent choices), covering {coverage:.1%} of its held-out choices |
-| data | {n_train} training + {n_eval} held-out sequences (prompt + the target's reply) to prompts from {prompts} (self-instruct, Apache-2.0); greedy={info.get('temperature', 0) == 0}, max {info.get('max_tokens', '?')} reply tokens |
+| data | {n_train} training + {n_eval} held-out sequences (prompt + the target's reply) to prompts from {prompt_sources(info)}; greedy={info.get('temperature', 0) == 0}, max {info.get('max_tokens', '?')} reply tokens |
 | labels | the target's distribution for token t+2 (top-{cfg.top_k}), from the same teacher-forced pass that gives the hidden states |
 | loss | {cfg.kl_weight} x KL(target top-k || head) + {cfg.ce_weight} x CE on the target's choice, at depth 1 and (weight {cfg.depth2_weight}) at depth 2, where the head is fed its own output as when drafting |
 | optimiser | AdamW (0.9, 0.95), lr {cfg.lr} warmup {cfg.warmup:.0%} then cosine to 10%, grad-clip 1.0, ~{cfg.batch_tokens} entries/step |
