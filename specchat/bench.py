@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Optional
 
 from backends.base import Backend, Request, Summary, run_to_summary
 from specchat.loading import load_backend, messages_for, sampling_of
+from specchat.models import NAMED_MODELS
 from specchat.profiles import Profile
 from specchat.prompts import PromptItem
 
@@ -74,7 +75,8 @@ class ProfileResult:
 def _target_run(p: Profile) -> dict:
     """Everything that decides how a profile's target decodes (all but its name and speculation)."""
     settings = p.model_dump(exclude={"name", "description", "extends", "speculative", "source"})
-    settings["model"] = p.resolve_path(p.model)
+    path = p.resolve_path(p.model)  # a file path is relative to its profile; a model name or hub id is not
+    settings["model"] = str(path.resolve()) if p.model not in NAMED_MODELS and path.exists() else p.model
     return settings
 
 

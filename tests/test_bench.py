@@ -20,6 +20,15 @@ def test_speculative_profiles_get_their_target_only_reference():
     assert [ref for _, _, ref in rows] == [None, "smollm2-ngram:target-only", None]
 
 
+def test_a_user_profile_extending_a_shipped_one_shares_its_reference(isolated_dirs):
+    folder = isolated_dirs / "user-profiles"
+    folder.mkdir()
+    (folder / "my-mtp.yaml").write_text("extends: smollm2-mtp\nspeculative: {depth: 2}\n")
+    ps = load_profiles()
+    rows = bench.plan([ps.get("smollm2"), ps.get("my-mtp")])
+    assert [ref for _, _, ref in rows] == [None, "smollm2"]  # the named default model, wherever the profile lives
+
+
 @pytest.fixture
 def tiny_spec_profile(isolated_dirs):
     folder = isolated_dirs / "user-profiles"
