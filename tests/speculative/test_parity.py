@@ -1,10 +1,14 @@
 """The central invariant: speculative output == target-only output, for every drafter, depth and
 sampling mode (exact acceptance, same seed)."""
+import threading
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.base import Sampling
+from backends.base import Request, Sampling, run_to_summary
+from backends.speculative.backend import SpeculativeBackend
+from specchat.verify import fresh
 from tests.speculative.conftest import PROMPTS, SAMPLINGS, Counting, compare
 
 
@@ -83,10 +87,7 @@ def bf16_pair(tiny_pair):
 def test_strict_verification_is_bitwise_target_only(bf16_pair, depth, sampling):
     """bfloat16 verify blocks computed row by row reproduce single-token decoding exactly, so
     the replies are identical with no tolerance at all."""
-    from backends.speculative.backend import SpeculativeBackend
     from backends.speculative.drafters import DraftModelDrafter
-    from backends.base import Request, run_to_summary
-    from specchat.verify import fresh
 
     target, draft = bf16_pair
     spec = SpeculativeBackend(target, DraftModelDrafter(draft), depth, strict=True)
@@ -98,7 +99,6 @@ def test_strict_verification_is_bitwise_target_only(bf16_pair, depth, sampling):
 
 def test_strict_refuses_kernels_that_are_not_row_invariant(target, drafters):
     from backends.base import BackendError
-    from backends.speculative.backend import SpeculativeBackend
 
     with pytest.raises(BackendError, match="strict verification needs row-invariant kernels"):
         SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=True)  # float32 target
@@ -107,10 +107,7 @@ def test_strict_refuses_kernels_that_are_not_row_invariant(target, drafters):
 def test_draft_model_on_an_int4_target_guesses_with_an_int4_head(tmp_path):
     """Loaded from a profile: a draft model beside an int4 target gets an int4 copy of its
     full-vocabulary head (most of a small drafter's cost); the reply stays the target's."""
-    from backends.base import Request, Sampling, run_to_summary
-    from backends.speculative.backend import SpeculativeBackend
     from specchat.profiles import load_profile_file
-    from specchat.verify import fresh
     from tests.native.tiny import make_gguf, make_hf_checkpoint
 
     gguf = make_gguf(tmp_path / "t.gguf", make_hf_checkpoint(tmp_path / "t", "llama", seed=51), "Q4_1")
@@ -134,12 +131,6 @@ def test_a_full_context_ends_where_target_only_ends(target, drafters, method):
 
 
 def test_a_reply_cancelled_before_it_starts_runs_nothing(target, drafters):
-    import threading
-
-    from backends.base import Request, run_to_summary
-    from backends.speculative.backend import SpeculativeBackend
-    from specchat.verify import fresh
-
     cancel = threading.Event()
     cancel.set()
     request, sampling = Request(messages=PROMPTS[0]), Sampling(max_tokens=10)
