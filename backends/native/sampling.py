@@ -99,7 +99,7 @@ def sample(logits: Tensor, positions: Sequence[int] | Tensor, s: Sampling) -> Te
         positions = positions.tolist()
     if len(positions) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} logits rows but {len(positions)} positions")
-    if logits.shape[0] > 1:
+    if logits.shape[0] > 1 and s.top_p < 1.0:
         # Row by row, as target-only decoding samples: CPU reductions over a batch of rows (the
         # logsumexp behind top-p) can round differently from the same reduction over one row.
         return torch.cat([sample(logits[i:i + 1], positions[i:i + 1], s) for i in range(len(positions))])
