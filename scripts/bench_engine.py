@@ -47,9 +47,13 @@ def _timed(fn) -> float:
 
 
 def weight_bytes_per_token(model) -> int:
-    """Bytes of matmul weights a single-token forward reads (embedding row lookup excluded)."""
+    """Bytes of matmul weights a greedy single-token forward reads (embedding row lookup excluded;
+    with an int8 argmax head, its int8 rows and not the float32 head)."""
     total = 0
-    for lin in [b for blk in model.blocks for b in (blk.qkv, blk.o, blk.gate_up, blk.down)] + [model.head]:
+    if model.argmax_head is not None:
+        total += model.argmax_head.q.numel() + 2 * model.argmax_head.scale.numel()
+    heads = [] if model.argmax_head is not None else [model.head]
+    for lin in [b for blk in model.blocks for b in (blk.qkv, blk.o, blk.gate_up, blk.down)] + heads:
         if lin.int4 is not None:
             packed, sz, _ = lin.int4
             total += packed.numel() * packed.element_size() + sz.numel() * sz.element_size()
@@ -83,7 +87,7 @@ def run_torch(model_path: str, precision: str, tokens: int, threads: int, repeat
     for _ in range(30):
         engine.truncate(pos - 1)
         t = time.perf_counter()
-        engine.forward([42], pos - 1, all_logits=False)
+        engine.forward([42], pos - 1, all_logits=False, argmax_only=True)  # greedy, as the decode above
         times.append(time.perf_counter() - t)
     wbytes = weight_bytes_per_token(engine.model)
     return {"row": f"torch:{precision}", "decode_tok_s": best, "mean_tok_s": best_mean, "load_s": load_s,

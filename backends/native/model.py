@@ -257,7 +257,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, b) for b in blocks)
         self.norm = norm
         self.device = embed.device
-        self.set_head(head)
+        self.set_head(head)  # also clears `argmax_head` (argmax_head.py), which weights.py may add
         self.static = False  # see use_static_shapes
         self._run_blocks = self._blocks
         self.setup_cache(max_len)
@@ -292,6 +292,7 @@ class Transformer(nn.Module):
     def set_head(self, head: Linear) -> None:
         """Swap the LM head (a drafter's int4 copy: its logits only need to rank its guesses)."""
         self.head = head
+        self.argmax_head = None
         self.head_dtype = torch.float32 if head.row_stable else (torch.bfloat16 if head.int4 else self.dtype)
 
     @property
@@ -300,7 +301,7 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True, exact_rows: bool = False, head: bool = True
+                all_logits: bool = True, exact_rows: bool = False, head: bool = True, argmax_only: bool = False
                 ) -> tuple[Tensor, dict[int, Tensor]]:
         """Run tokens[1, K] at positions start_pos..start_pos+K-1 against cache[:start_pos].
 
@@ -309,7 +310,7 @@ class Transformer(nn.Module):
         key i is the output of decoder layer i, key FINAL (-1) the final hidden state after the norm.
         Afterwards the cache holds start_pos + K positions. With head=False the first result is
         the final hidden state (after the norm) instead of the logits: `logits` turns rows of it
-        into logits, so a caller can stop once it has seen what it needs.
+        into logits, so a caller can stop once it has seen what it needs. argmax_only: see `logits`.
 
         exact_rows: compute each row's attention as a single-token pass does (same key count, see
         `padded_span`), so that each row is bitwise what K single-token passes give, wherever the
@@ -347,15 +348,20 @@ class Transformer(nn.Module):
             x = x if all_logits else x[-1:]
         else:
             x = F.rms_norm(x if all_logits else x[-1:], (self.cfg.dim,), self.norm, self.cfg.norm_eps)
-        return (self.logits(x) if head else x), hidden
+        return (self.logits(x, argmax_only) if head else x), hidden
 
-    def logits(self, states: Tensor) -> Tensor:
-        """float32 logits [K, vocab] for final hidden states [K, dim] (after the norm)."""
+    def logits(self, states: Tensor, argmax_only: bool = False) -> Tensor:
+        """float32 logits [K, vocab] for final hidden states [K, dim] (after the norm).
+        argmax_only (greedy decoding): only each row's argmax is exact, which is cheaper
+        where the model has an `ArgmaxHead`."""
+        if argmax_only and self.argmax_head is not None:
+            return self.argmax_head(states)
         return self.head(states.to(self.head_dtype)).float()
 
-    @property
-    def head_rows(self) -> int | None:
-        """Rows the head can be applied to at a time with each row's bits unchanged (None: any)."""
+    def head_rows(self, argmax_only: bool = False) -> int | None:
+        """Rows `logits` can take at a time with each row's bits unchanged (None: any)."""
+        if argmax_only and self.argmax_head is not None:
+            return None
         return 2 if self.head.row_stable else None
 
     def _blocks(self, x: Tensor, write: slice | Tensor, span: int, cos: Tensor, sin: Tensor, mask: Tensor | None,

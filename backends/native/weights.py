@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from backends.base import BackendError
+from backends.native import argmax_head
 from backends.native.model import Linear, ModelConfig, Transformer
 
 INT4_GROUP = 32
@@ -293,4 +294,7 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
         head = Linear(dense.to(device).contiguous(), row_stable=True)
     else:
         head = _linear([head_weight], [None], dtype, int4, device)
-    return Transformer(ck.cfg, embed, blocks, ck.norm.float().to(device), head, dtype, max_len)
+    model = Transformer(ck.cfg, embed, blocks, ck.norm.float().to(device), head, dtype, max_len)
+    if head.row_stable and argmax_head.available():
+        model.argmax_head = argmax_head.ArgmaxHead(head.weight)
+    return model

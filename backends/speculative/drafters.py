@@ -79,7 +79,8 @@ class DraftModelDrafter(Drafter):
         if depth == 0:
             return Draft([])
         reuse = min(common_prefix(e.cached, tokens), n - 1)
-        logits, _ = e.forward(tokens[reuse:], reuse, all_logits=False)
+        greedy = self.sampling.greedy and not self.want_q
+        logits, _ = e.forward(tokens[reuse:], reuse, all_logits=False, argmax_only=greedy)
         out, qs = [], []
         for i in range(depth):
             if self.want_q:
@@ -88,7 +89,7 @@ class DraftModelDrafter(Drafter):
             out.append(token)
             if i + 1 == depth or token in e.eos_ids:
                 break
-            logits, _ = e.forward([token], n + i, all_logits=False)
+            logits, _ = e.forward([token], n + i, all_logits=False, argmax_only=greedy)
         return Draft(out, torch.stack(qs) if qs else None)
 
     def close(self) -> None:

@@ -73,13 +73,14 @@ class Target(Protocol):
     context_length: int
     cached: list[int]  # token ids whose keys/values are in the cache
 
-    head_rows: int | None  # rows head_logits takes at a time with unchanged bits (None: any)
-
     def forward(self, tokens: Sequence[int], start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True, exact_rows: bool = False,
-                head: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
+                all_logits: bool = True, exact_rows: bool = False, head: bool = True,
+                argmax_only: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
 
-    def head_logits(self, states: torch.Tensor) -> torch.Tensor: ...
+    def head_logits(self, states: torch.Tensor, argmax_only: bool = False) -> torch.Tensor: ...
+
+    def head_rows(self, argmax_only: bool = False) -> int | None:
+        """Rows head_logits takes at a time with unchanged bits (None: any)."""
 
     def truncate(self, length: int) -> None: ...
 
@@ -93,11 +94,13 @@ def target_choices(target: Target, states: torch.Tensor, draft: Sequence[int], p
     """The target's own token at each block position, as far as `accept_exact` will look: the LM
     head (a full-vocabulary matmul, the largest single cost of a verify row on CPU) runs on
     `target.head_rows` rows at a time and stops after the first chunk holding a rejected draft."""
-    chunk = target.head_rows or len(positions)
+    greedy = sampling.greedy
+    chunk = target.head_rows(greedy) or len(positions)
     chosen: list[int] = []
     for lo in range(0, len(positions), chunk):
         hi = lo + chunk
-        chosen += target.sample(target.head_logits(states[lo:hi]), positions[lo:hi], sampling).tolist()
+        logits = target.head_logits(states[lo:hi], argmax_only=greedy)
+        chosen += target.sample(logits, positions[lo:hi], sampling).tolist()
         if any(a != b for a, b in zip(draft[lo:hi], chosen[lo:hi])):
             break
     return chosen
@@ -122,7 +125,7 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
 
     # Prefill: reuse the cached prefix unless the drafter needs hidden states of every prompt position.
     start = 0 if layers else min(common_prefix(target.cached, prompt), len(prompt) - 1)
-    logits, hidden = target.forward(prompt[start:], start, layers, all_logits=False)
+    logits, hidden = target.forward(prompt[start:], start, layers, all_logits=False, argmax_only=sampling.greedy)
     first = int(target.sample(logits[-1:], [len(prompt)], sampling)[0])
     tokens = list(prompt) + [first]
     drafter.start(prompt, hidden, sampling)

@@ -9,10 +9,13 @@ from backends.speculative.loop import target_choices
 class CountingHead:
     """A target whose 'state' rows are already one-hot logits; counts the head's calls."""
 
-    def __init__(self, head_rows):
-        self.head_rows, self.calls = head_rows, []
+    def __init__(self, rows):
+        self.rows, self.calls = rows, []
 
-    def head_logits(self, states):
+    def head_rows(self, argmax_only=False):
+        return self.rows
+
+    def head_logits(self, states, argmax_only=False):
         self.calls.append(len(states))
         return states
 

@@ -90,6 +90,7 @@ def test_strict_verification_is_bitwise_target_only(bf16_pair, depth, sampling):
     from backends.speculative.drafters import DraftModelDrafter
 
     target, draft = bf16_pair
+    assert target.model.argmax_head is not None  # greedy blocks go through the int8 head (argmax_head.py)
     spec = SpeculativeBackend(target, DraftModelDrafter(draft), depth, strict=True)
     for messages in PROMPTS:
         ref = run_to_summary(fresh(target).stream(Request(messages=messages), sampling))

@@ -33,8 +33,8 @@ LOOP_BUGS = {
 
 DRAFTER_BUGS = {
     "drafter fed the previous position's token": [
-        ("logits, _ = e.forward(tokens[reuse:], reuse, all_logits=False)",
-         "logits, _ = e.forward(list(tokens[reuse:-1]) + [tokens[-2]], reuse, all_logits=False)")],
+        ("logits, _ = e.forward(tokens[reuse:], reuse, all_logits=False, argmax_only=greedy)",
+         "logits, _ = e.forward(list(tokens[reuse:-1]) + [tokens[-2]], reuse, all_logits=False, argmax_only=greedy)")],
     "drafter samples with the wrong position's noise": [
         ("token = int(e.sample(logits, [n + i], self.sampling)[0])", "token = int(e.sample(logits, [n + i + 1], self.sampling)[0])")],
 }
