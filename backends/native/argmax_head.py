@@ -21,6 +21,7 @@ from torch import Tensor
 
 _BF16_ROUNDING = 2.0 ** -8  # relative error of rounding to bfloat16, doubled for slack
 _SLACK = 1.001  # the bound's own float32 arithmetic
+_CHUNK = 4096  # rows prepared at a time
 
 
 def available() -> bool:
@@ -32,13 +33,17 @@ class ArgmaxHead:
         """weight: the float32 head [vocab, dim] on CPU (kept by reference, not copied)."""
         w = weight.float()
         self.weight = w
-        scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
-        self.q = (w / scale.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        self.scale = scale
-        approx = self.q.float() * scale.float()[:, None]
-        self.err_norm = (w - approx).norm(dim=1) * _SLACK  # ||w - w_int8||
-        self.w_norm = torch.maximum(w.norm(dim=1), approx.norm(dim=1)) * _SLACK
-        del approx
+        self.scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
+        self.q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+        self.err_norm = torch.empty(w.shape[0], device=w.device)  # ||w - w_int8|| per row
+        self.w_norm = torch.empty(w.shape[0], device=w.device)  # max(||w||, ||w_int8||) per row
+        for lo in range(0, w.shape[0], _CHUNK):  # a chunk at a time: no full-size float32 temporaries
+            rows = slice(lo, lo + _CHUNK)
+            part, scale = w[rows], self.scale[rows].float()[:, None]
+            self.q[rows] = (part / scale).round_().clamp_(-127, 127).to(torch.int8)
+            approx = self.q[rows].float() * scale
+            self.err_norm[rows] = (part - approx).norm(dim=1) * _SLACK
+            self.w_norm[rows] = torch.maximum(part.norm(dim=1), approx.norm(dim=1)) * _SLACK
         # float32 accumulation over `dim` products, once in the kernel and once in the recomputation
         self.gamma = 2 * w.shape[1] * torch.finfo(torch.float32).eps
 

@@ -359,9 +359,11 @@ class Transformer(nn.Module):
         return self.head(states.to(self.head_dtype)).float()
 
     def head_rows(self, argmax_only: bool = False) -> int | None:
-        """Rows `logits` can take at a time with each row's bits unchanged (None: any)."""
+        """Rows `logits` should take at a time (with each row's bits unchanged; None: any).
+        The argmax head is row-invariant at any count, but two at a time lets a verify pass
+        stop early at a rejected draft, which most long blocks have."""
         if argmax_only and self.argmax_head is not None:
-            return None
+            return 2
         return 2 if self.head.row_stable else None
 
     def _blocks(self, x: Tensor, write: slice | Tensor, span: int, cos: Tensor, sin: Tensor, mask: Tensor | None,
