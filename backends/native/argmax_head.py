@@ -24,8 +24,14 @@ _SLACK = 1.001  # the bound's own float32 arithmetic
 _CHUNK = 4096  # rows prepared at a time
 
 
-def available() -> bool:
-    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+def for_head(weight: Tensor, final_norm: Tensor) -> "ArgmaxHead | None":
+    """An ArgmaxHead for this float32 head, if this torch has the int8 kernel and the kernel keeps
+    to the arithmetic the bound assumes on states like the model's (random, after its final norm)."""
+    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        return None
+    head = ArgmaxHead(weight)
+    probe = torch.randn(8, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.device)
+    return head if head.within_bound(probe * final_norm.float()) else None
 
 
 class ArgmaxHead:
@@ -50,13 +56,25 @@ class ArgmaxHead:
     def __call__(self, states: Tensor) -> Tensor:
         """[K, vocab] float32 logits whose row-wise argmax is the float32 head's."""
         x = states.float()
+        logits, bound = self._approx(x)
+        floor = (logits - bound).amax(1, keepdim=True)
+        rows, ids = (logits + bound >= floor).nonzero(as_tuple=True)
+        logits[rows, ids] = (self.weight[ids] * x[rows]).sum(-1)
+        return logits
+
+    def _approx(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The int8 head's logits and the bound on their distance from the float32 logits."""
         xb = x.to(torch.bfloat16)
         logits = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale).float()
         x_norm = x.norm(dim=1, keepdim=True) * _SLACK
         bound = (self.err_norm * x_norm + self.w_norm * (x - xb.float()).norm(dim=1, keepdim=True) * _SLACK
                  + self.gamma * self.w_norm * torch.maximum(x_norm, xb.float().norm(dim=1, keepdim=True))
                  + _BF16_ROUNDING * logits.abs())
-        floor = (logits - bound).amax(1, keepdim=True)
-        rows, ids = (logits + bound >= floor).nonzero(as_tuple=True)
-        logits[rows, ids] = (self.weight[ids] * x[rows]).sum(-1)
-        return logits
+        return logits, bound
+
+    def within_bound(self, states: Tensor) -> bool:
+        """Whether the int8 kernel's logits for `states` lie within the bound of the float32 ones
+        (they do unless a torch build changes the kernel's arithmetic)."""
+        x = states.float()
+        logits, bound = self._approx(x)
+        return bool(((logits - x @ self.weight.T).abs() <= bound).all())

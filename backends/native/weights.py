@@ -295,6 +295,6 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
     else:
         head = _linear([head_weight], [None], dtype, int4, device)
     model = Transformer(ck.cfg, embed, blocks, ck.norm.float().to(device), head, dtype, max_len)
-    if head.row_stable and argmax_head.available():
-        model.argmax_head = argmax_head.ArgmaxHead(head.weight)
+    if head.row_stable:
+        model.argmax_head = argmax_head.for_head(head.weight, model.norm)
     return model

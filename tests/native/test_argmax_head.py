@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from backends.base import Request, Sampling, run_to_summary
-from backends.native.argmax_head import ArgmaxHead
+from backends.native.argmax_head import ArgmaxHead, for_head
 from backends.native.engine import TorchBackend
 
 
@@ -40,6 +40,14 @@ def test_argmax_is_the_float32_heads_including_near_ties(seed):
     assert (got <= want.max(-1, keepdim=True).values).all()
 
 
+def test_a_kernel_outside_the_bound_means_no_argmax_head(monkeypatch):
+    w = skewed_head(5)
+    assert isinstance(for_head(w, torch.ones(w.shape[1])), ArgmaxHead)
+    sloppy = ArgmaxHead._approx
+    monkeypatch.setattr(ArgmaxHead, "_approx", lambda self, x: (sloppy(self, x)[0] + 0.01, sloppy(self, x)[1] * 0))
+    assert for_head(w, torch.ones(w.shape[1])) is None  # the engine keeps the float32 head
+
+
 def test_rows_get_the_same_bits_however_many_come_together():
     w = skewed_head(7)
     states = torch.randn(12, w.shape[1], generator=torch.Generator().manual_seed(3)) * 8
@@ -57,6 +65,7 @@ def test_greedy_decoding_on_the_real_model_is_unchanged(real_gguf):
     assert engine.model.argmax_head is not None
     ids = engine.tokenize_chat([{"role": "user", "content": "Write a haiku about rain, then explain it."}])
     states, _ = engine.forward(ids, 0, head=False)
+    assert engine.model.argmax_head.within_bound(states)  # the bound holds on the model's own states
     assert torch.equal(engine.head_logits(states, argmax_only=True).argmax(-1), engine.head_logits(states).argmax(-1))
     request = Request(messages=[{"role": "user", "content": "Name three rivers in Europe."}])
     sampling = Sampling(max_tokens=48)
