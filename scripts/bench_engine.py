@@ -87,7 +87,8 @@ def run_torch(model_path: str, precision: str, tokens: int, threads: int, repeat
     for _ in range(30):
         engine.truncate(pos - 1)
         t = time.perf_counter()
-        engine.forward([42], pos - 1, all_logits=False, argmax_only=True)  # greedy, as the decode above
+        state, _ = engine.forward([42], pos - 1, all_logits=False, head=False)
+        engine.choose(state, [pos], Sampling())  # the greedy token, as the decode above
         times.append(time.perf_counter() - t)
     wbytes = weight_bytes_per_token(engine.model)
     return {"row": f"torch:{precision}", "decode_tok_s": best, "mean_tok_s": best_mean, "load_s": load_s,

@@ -129,32 +129,38 @@ class TorchBackend(Backend):
         return self.model.cache.length
 
     def forward(self, tokens: Sequence[int] | Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True, exact_rows: bool = False, head: bool = True,
-                argmax_only: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
+                all_logits: bool = True, exact_rows: bool = False, head: bool = True
+                ) -> tuple[Tensor, dict[int, Tensor]]:
         """Run tokens at absolute positions start_pos.. (cache beyond start_pos is dropped first).
 
         logits[i] is the distribution of the token at position start_pos + i + 1. hidden_layers:
         layer indices (output of decoder layer i) and/or FINAL (-1, after the final norm).
         exact_rows: see Transformer.forward; bitwise equal to single-token passes when
         `self.rows_bitwise` is true. head=False: final hidden states instead of logits (see
-        `head_logits`). argmax_only: logits exact only where greedy decoding looks (each row's
-        argmax), which is cheaper on CPU; see backends/native/argmax_head.py.
+        `head_logits` and `choose`).
         """
         if start_pos < self.cache_len:
             self.truncate(start_pos)
         ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
         t = torch.tensor([ids], dtype=torch.long, device=self.device)
-        logits, hidden = self.model(t, start_pos, hidden_layers, all_logits, exact_rows, head, argmax_only)
+        logits, hidden = self.model(t, start_pos, hidden_layers, all_logits, exact_rows, head)
         self.cached[start_pos:] = ids
         return logits, hidden
 
-    def head_logits(self, states: Tensor, argmax_only: bool = False) -> Tensor:
+    def head_logits(self, states: Tensor) -> Tensor:
         """Logits for rows of final hidden states from forward(..., head=False)."""
-        return self.model.logits(states, argmax_only)
+        return self.model.logits(states)
 
-    def head_rows(self, argmax_only: bool = False) -> int | None:
-        """How many rows `head_logits` may take at a time keeping each row's bits (None: any)."""
-        return self.model.head_rows(argmax_only)
+    def choose(self, states: Tensor, positions: Sequence[int], sampling: Sampling) -> Tensor:
+        """The tokens `sample(head_logits(states), positions, sampling)` picks, computed more cheaply
+        where the model can (greedy and plain temperature sampling on CPU; see argmax_head.py)."""
+        return self.model.choose(states, positions, sampling)
+
+    @property
+    def head_rows(self) -> int | None:
+        """How many rows `head_logits` and `choose` may take at a time keeping each row's bits
+        (None: any)."""
+        return self.model.head_rows
 
     def truncate(self, n: int) -> None:
         self.model.cache.truncate(n)
@@ -167,13 +173,14 @@ class TorchBackend(Backend):
         """The distribution `sample` draws from (for rejection sampling)."""
         return sampler.probs(logits, sampling)
 
-    def prefill(self, prompt: Sequence[int], argmax_only: bool = False) -> Tensor:
+    def prefill(self, prompt: Sequence[int], head: bool = True) -> Tensor:
         """Bring the cache to `prompt`, reusing the longest common prefix with what is cached.
-        Returns the logits [1, vocab] for the token after the prompt."""
-        return self.prefill_with_hidden(prompt, argmax_only=argmax_only)[0]
+        Returns the logits [1, vocab] for the token after the prompt (head=False: the final
+        hidden state [1, dim] instead, for `choose`)."""
+        return self.prefill_with_hidden(prompt, head=head)[0]
 
     def prefill_with_hidden(self, prompt: Sequence[int], hidden_layers: tuple[int, ...] = (),
-                            argmax_only: bool = False) -> tuple[Tensor, dict[int, Tensor], int]:
+                            head: bool = True) -> tuple[Tensor, dict[int, Tensor], int]:
         """prefill, also returning the hidden states of the positions it computed and where they
         start: (logits [1, vocab], {layer: [len(prompt) - start, dim]}, start). Positions before
         `start` were reused from the cache."""
@@ -182,8 +189,7 @@ class TorchBackend(Backend):
         limit = min(len(prompt) - 1, len(self.cached))  # at least one token is run to get logits
         while start < limit and self.cached[start] == prompt[start]:
             start += 1
-        logits, hidden = self.forward(prompt[start:], start, hidden_layers, all_logits=False,
-                                      argmax_only=argmax_only)
+        logits, hidden = self.forward(prompt[start:], start, hidden_layers, all_logits=False, head=head)
         return logits, hidden, start
 
     # ---- the Backend interface ----
@@ -199,13 +205,12 @@ class TorchBackend(Backend):
         prompt = self.checked_prompt(request)
 
         def tokens() -> Iterator[int]:
-            greedy = sampling.greedy
-            logits = self.prefill(prompt, argmax_only=greedy)
+            state = self.prefill(prompt, head=False)
             pos = len(prompt)  # position of the token being chosen
             while True:
-                token = int(self.sample(logits, [pos], sampling)[0])
+                token = int(self.choose(state, [pos], sampling)[0])
                 yield token
-                logits, _ = self.forward([token], pos, all_logits=False, argmax_only=greedy)
+                state, _ = self.forward([token], pos, all_logits=False, head=False)
                 pos += 1
 
         return decode_stream(tokens(), prompt_tokens=len(prompt), sampling=sampling, context_length=self._context,

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from backends.base import Sampling
+from backends.native import sampling as sampler
 
 FINAL = -1  # hidden_layers key for the final hidden state (after the final norm)
 
@@ -301,7 +305,7 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True, exact_rows: bool = False, head: bool = True, argmax_only: bool = False
+                all_logits: bool = True, exact_rows: bool = False, head: bool = True
                 ) -> tuple[Tensor, dict[int, Tensor]]:
         """Run tokens[1, K] at positions start_pos..start_pos+K-1 against cache[:start_pos].
 
@@ -310,7 +314,7 @@ class Transformer(nn.Module):
         key i is the output of decoder layer i, key FINAL (-1) the final hidden state after the norm.
         Afterwards the cache holds start_pos + K positions. With head=False the first result is
         the final hidden state (after the norm) instead of the logits: `logits` turns rows of it
-        into logits, so a caller can stop once it has seen what it needs. argmax_only: see `logits`.
+        into logits, and `choose` into tokens, so a caller computes only what it needs.
 
         exact_rows: compute each row's attention as a single-token pass does (same key count, see
         `padded_span`), so that each row is bitwise what K single-token passes give, wherever the
@@ -348,22 +352,23 @@ class Transformer(nn.Module):
             x = x if all_logits else x[-1:]
         else:
             x = F.rms_norm(x if all_logits else x[-1:], (self.cfg.dim,), self.norm, self.cfg.norm_eps)
-        return (self.logits(x, argmax_only) if head else x), hidden
+        return (self.logits(x) if head else x), hidden
 
-    def logits(self, states: Tensor, argmax_only: bool = False) -> Tensor:
-        """float32 logits [K, vocab] for final hidden states [K, dim] (after the norm).
-        argmax_only (greedy decoding): only each row's argmax is exact, which is cheaper
-        where the model has an `ArgmaxHead`."""
-        if argmax_only and self.argmax_head is not None:
-            return self.argmax_head(states)
+    def logits(self, states: Tensor) -> Tensor:
+        """float32 logits [K, vocab] for final hidden states [K, dim] (after the norm)."""
         return self.head(states.to(self.head_dtype)).float()
 
-    def head_rows(self, argmax_only: bool = False) -> int | None:
-        """Rows `logits` should take at a time (with each row's bits unchanged; None: any).
-        The argmax head is row-invariant at any count, but two at a time lets a verify pass
-        stop early at a rejected draft, which most long blocks have."""
-        if argmax_only and self.argmax_head is not None:
-            return 2
+    def choose(self, states: Tensor, positions: Sequence[int], s: Sampling) -> Tensor:
+        """The sampler's token for each row of final hidden states: `sample(logits(states))`, through
+        the cheaper `ArgmaxHead` where the choice is an argmax over every token (greedy, or
+        temperature sampling without top-k / top-p)."""
+        if self.argmax_head is not None and sampler.argmax_over_vocabulary(s):
+            return self.argmax_head.choose(states, positions, s)
+        return sampler.sample(self.logits(states), positions, s)
+
+    @property
+    def head_rows(self) -> int | None:
+        """Rows the head can be applied to at a time with each row's bits unchanged (None: any)."""
         return 2 if self.head.row_stable else None
 
     def _blocks(self, x: Tensor, write: slice | Tensor, span: int, cos: Tensor, sin: Tensor, mask: Tensor | None,

@@ -51,6 +51,13 @@ def gumbel_noise(seed: int, positions: Sequence[int], ids: int | Tensor, device=
     return (-torch.log(-torch.log(u))).float()
 
 
+def argmax_over_vocabulary(s: Sampling) -> bool:
+    """Whether the choice is an argmax over every token's score (greedy: the logits; plain
+    temperature sampling: logits / T + noise), with no top-k or top-p cut that needs the exact
+    distribution."""
+    return s.greedy or (s.top_k <= 0 and s.top_p >= 1.0)
+
+
 _NUCLEUS_GUESS = 1024  # top-p first looks for the nucleus among this many best tokens
 
 

@@ -79,18 +79,24 @@ class DraftModelDrafter(Drafter):
         if depth == 0:
             return Draft([])
         reuse = min(common_prefix(e.cached, tokens), n - 1)
-        greedy = self.sampling.greedy and not self.want_q
-        logits, _ = e.forward(tokens[reuse:], reuse, all_logits=False, argmax_only=greedy)
+        state, _ = e.forward(tokens[reuse:], reuse, all_logits=False, head=False)
         out, qs = [], []
         for i in range(depth):
-            if self.want_q:
-                qs.append(probs(logits, self.sampling)[0])
-            token = int(e.sample(logits, [n + i], self.sampling)[0])
+            token = self._pick(state, n + i, qs)
             out.append(token)
             if i + 1 == depth or token in e.eos_ids:
                 break
-            logits, _ = e.forward([token], n + i, all_logits=False, argmax_only=greedy)
+            state, _ = e.forward([token], n + i, all_logits=False, head=False)
         return Draft(out, torch.stack(qs) if qs else None)
+
+    def _pick(self, state: torch.Tensor, position: int, qs: list) -> int:
+        """The guess for `position` from the small model's final state (adding its distribution to
+        `qs` when rejection sampling needs it)."""
+        if not self.want_q:
+            return int(self.engine.choose(state, [position], self.sampling)[0])
+        logits = self.engine.head_logits(state)
+        qs.append(probs(logits, self.sampling)[0])
+        return int(self.engine.sample(logits, [position], self.sampling)[0])
 
     def close(self) -> None:
         self.engine.close()

@@ -73,14 +73,16 @@ class Target(Protocol):
     context_length: int
     cached: list[int]  # token ids whose keys/values are in the cache
 
+    head_rows: int | None  # rows head_logits and choose take at a time with unchanged bits (None: any)
+
     def forward(self, tokens: Sequence[int], start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True, exact_rows: bool = False, head: bool = True,
-                argmax_only: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
+                all_logits: bool = True, exact_rows: bool = False,
+                head: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
 
-    def head_logits(self, states: torch.Tensor, argmax_only: bool = False) -> torch.Tensor: ...
+    def head_logits(self, states: torch.Tensor) -> torch.Tensor: ...
 
-    def head_rows(self, argmax_only: bool = False) -> int | None:
-        """Rows head_logits takes at a time with unchanged bits (None: any)."""
+    def choose(self, states: torch.Tensor, positions: Sequence[int], sampling: Sampling) -> torch.Tensor:
+        """sample(head_logits(states), positions, sampling), as cheaply as the engine can."""
 
     def truncate(self, length: int) -> None: ...
 
@@ -94,13 +96,11 @@ def target_choices(target: Target, states: torch.Tensor, draft: Sequence[int], p
     """The target's own token at each block position, as far as `accept_exact` will look: the LM
     head (a full-vocabulary matmul, the largest single cost of a verify row on CPU) runs on
     `target.head_rows` rows at a time and stops after the first chunk holding a rejected draft."""
-    greedy = sampling.greedy
-    chunk = target.head_rows(greedy) or len(positions)
+    chunk = target.head_rows or len(positions)
     chosen: list[int] = []
     for lo in range(0, len(positions), chunk):
         hi = lo + chunk
-        logits = target.head_logits(states[lo:hi], argmax_only=greedy)
-        chosen += target.sample(logits, positions[lo:hi], sampling).tolist()
+        chosen += target.choose(states[lo:hi], positions[lo:hi], sampling).tolist()
         if any(a != b for a, b in zip(draft[lo:hi], chosen[lo:hi])):
             break
     return chosen
@@ -125,8 +125,8 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
 
     # Prefill: reuse the cached prefix unless the drafter needs hidden states of every prompt position.
     start = 0 if layers else min(common_prefix(target.cached, prompt), len(prompt) - 1)
-    logits, hidden = target.forward(prompt[start:], start, layers, all_logits=False, argmax_only=sampling.greedy)
-    first = int(target.sample(logits[-1:], [len(prompt)], sampling)[0])
+    state, hidden = target.forward(prompt[start:], start, layers, all_logits=False, head=False)
+    first = int(target.choose(state[-1:], [len(prompt)], sampling)[0])
     tokens = list(prompt) + [first]
     drafter.start(prompt, hidden, sampling)
 

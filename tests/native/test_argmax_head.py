@@ -1,4 +1,5 @@
-"""The greedy LM head: an int8 head plus exact recomputation of every token that could win."""
+"""The int8 head for argmax choices: the sampler's choice from float32 logits, recomputing only
+the tokens that could win."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,10 @@ import torch
 from backends.base import Request, Sampling, run_to_summary
 from backends.native.argmax_head import ArgmaxHead, for_head
 from backends.native.engine import TorchBackend
+from backends.native.sampling import sample
+
+CHOICES = [Sampling(), Sampling(temperature=0.7, seed=3), Sampling(temperature=1.0, seed=8),
+           Sampling(temperature=0.2, seed=1)]
 
 
 def exact_logits(weight: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
@@ -21,23 +26,32 @@ def skewed_head(seed: int, vocab: int = 3000, dim: int = 96) -> torch.Tensor:
     return w
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_argmax_is_the_float32_heads_including_near_ties(seed):
-    w = skewed_head(seed)
+def states_with_near_ties(w: torch.Tensor, seed: int, rows: int = 48) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + seed)
-    states = torch.randn(64, w.shape[1], generator=g) * 8
-    # half the rows get a planted near-tie: two tokens within 1e-4 of each other at the top
-    for r in range(0, 64, 2):
+    states = torch.randn(rows, w.shape[1], generator=g) * 8
+    for r in range(0, rows, 2):  # half the rows: two tokens within a hair of each other at the top
         a, b = torch.randint(0, w.shape[0], (2,), generator=g).tolist()
         states[r] = 40 * (w[a] / w[a].norm() + w[b] / w[b].norm()) / 2
+    return states
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("s", CHOICES, ids=["greedy", "t0.7", "t1.0", "t0.2"])
+def test_the_choice_is_the_samplers_on_float32_logits(seed, s):
+    w = skewed_head(seed)
+    states = states_with_near_ties(w, seed)
+    positions = list(range(40, 40 + len(states)))
+    want = sample(exact_logits(w, states), positions, s)
+    assert torch.equal(ArgmaxHead(w).choose(states, positions, s), want)
+
+
+def test_the_bound_holds_and_the_int8_scores_alone_would_choose_differently():
+    w = skewed_head(4)
+    states = states_with_near_ties(w, 4)
     head = ArgmaxHead(w)
-    got = head(states)
-    want = exact_logits(w, states)
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
-    assert torch.equal(got.gather(1, want.argmax(-1, keepdim=True)), want.max(-1, keepdim=True).values)
-    # elsewhere the int8 approximation: not the float32 logits, and never above the maximum
-    assert not torch.equal(got, want)
-    assert (got <= want.max(-1, keepdim=True).values).all()
+    assert head.within_bound(states)
+    approx = torch.ops.aten._weight_int8pack_mm(states.bfloat16(), head.q, head.scale).float()
+    assert not torch.equal(approx.argmax(-1), exact_logits(w, states).argmax(-1))  # recomputing is needed
 
 
 def test_a_kernel_outside_the_bound_means_no_argmax_head(monkeypatch):
@@ -48,30 +62,32 @@ def test_a_kernel_outside_the_bound_means_no_argmax_head(monkeypatch):
     assert for_head(w, torch.ones(w.shape[1])) is None  # the engine keeps the float32 head
 
 
-def test_rows_get_the_same_bits_however_many_come_together():
+@pytest.mark.parametrize("s", CHOICES[:2], ids=["greedy", "t0.7"])
+def test_rows_choose_the_same_however_many_come_together(s):
     w = skewed_head(7)
     states = torch.randn(12, w.shape[1], generator=torch.Generator().manual_seed(3)) * 8
-    head = ArgmaxHead(w)
-    together = head(states)
+    head, positions = ArgmaxHead(w), list(range(12))
+    together = head.choose(states, positions, s)
     for size in (1, 2, 5):
-        parts = torch.cat([head(states[i:i + size]) for i in range(0, 12, size)])
+        parts = torch.cat([head.choose(states[i:i + size], positions[i:i + size], s) for i in range(0, 12, size)])
         assert torch.equal(parts, together)
 
 
 @pytest.mark.slow
-def test_greedy_decoding_on_the_real_model_is_unchanged(real_gguf):
-    """The int8 head with recomputation decodes exactly what the float32 head decodes."""
+@pytest.mark.parametrize("s", CHOICES[:2], ids=["greedy", "t0.7"])
+def test_decoding_on_the_real_model_is_unchanged(real_gguf, s):
+    """Through the int8 head the engine decodes what it decodes through the float32 head."""
     engine = TorchBackend(real_gguf, context=512)
-    assert engine.model.argmax_head is not None
+    head = engine.model.argmax_head
+    assert head is not None
     ids = engine.tokenize_chat([{"role": "user", "content": "Write a haiku about rain, then explain it."}])
     states, _ = engine.forward(ids, 0, head=False)
-    assert engine.model.argmax_head.within_bound(states)  # the bound holds on the model's own states
-    assert torch.equal(engine.head_logits(states, argmax_only=True).argmax(-1), engine.head_logits(states).argmax(-1))
+    assert head.within_bound(states)  # the bound holds on the model's own states
+    positions = list(range(1, len(ids) + 1))
+    assert torch.equal(engine.choose(states, positions, s), sample(engine.head_logits(states), positions, s))
     request = Request(messages=[{"role": "user", "content": "Name three rivers in Europe."}])
-    sampling = Sampling(max_tokens=48)
-    fast = run_to_summary(engine.stream(request, sampling))
-    engine.model.argmax_head, kept = None, engine.model.argmax_head
+    fast = run_to_summary(engine.stream(request, Sampling(s.temperature, seed=s.seed, max_tokens=48)))
+    engine.model.argmax_head = None
     engine.truncate(0)
-    slow = run_to_summary(engine.stream(request, sampling))
-    engine.model.argmax_head = kept
+    slow = run_to_summary(engine.stream(request, Sampling(s.temperature, seed=s.seed, max_tokens=48)))
     assert fast.token_ids == slow.token_ids and len(fast.token_ids) > 20

@@ -9,19 +9,13 @@ from backends.speculative.loop import target_choices
 class CountingHead:
     """A target whose 'state' rows are already one-hot logits; counts the head's calls."""
 
-    def __init__(self, rows):
-        self.rows, self.calls = rows, []
+    def __init__(self, head_rows):
+        self.head_rows, self.calls = head_rows, []
 
-    def head_rows(self, argmax_only=False):
-        return self.rows
-
-    def head_logits(self, states, argmax_only=False):
+    def choose(self, states, positions, sampling):
         self.calls.append(len(states))
-        return states
-
-    def sample(self, logits, positions, sampling):
-        assert len(positions) == len(logits)
-        return logits.argmax(-1)
+        assert len(positions) == len(states)
+        return states.argmax(-1)
 
 
 def states_for(tokens, vocab=10):

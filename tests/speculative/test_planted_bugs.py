@@ -33,10 +33,10 @@ LOOP_BUGS = {
 
 DRAFTER_BUGS = {
     "drafter fed the previous position's token": [
-        ("logits, _ = e.forward(tokens[reuse:], reuse, all_logits=False, argmax_only=greedy)",
-         "logits, _ = e.forward(list(tokens[reuse:-1]) + [tokens[-2]], reuse, all_logits=False, argmax_only=greedy)")],
+        ("state, _ = e.forward(tokens[reuse:], reuse, all_logits=False, head=False)",
+         "state, _ = e.forward(list(tokens[reuse:-1]) + [tokens[-2]], reuse, all_logits=False, head=False)")],
     "drafter samples with the wrong position's noise": [
-        ("token = int(e.sample(logits, [n + i], self.sampling)[0])", "token = int(e.sample(logits, [n + i + 1], self.sampling)[0])")],
+        ("token = self._pick(state, n + i, qs)", "token = self._pick(state, n + i + 1, qs)")],
 }
 
 
