@@ -254,6 +254,10 @@ class MtpHead:
     def _vocab_logits(self, g: Tensor) -> Tensor:
         return self.head(g.to(self.head.weight.dtype if self.head.weight is not None else self.dtype)).float()
 
+    def vocab_logits(self, g: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Logits over the draft vocabulary and its token ids (None: the full vocabulary)."""
+        return self._vocab_logits(g), self.vocab
+
     def greedy(self, g: Tensor) -> Tensor:
         """The most likely token per row, without spreading logits over the full vocabulary."""
         best = self._vocab_logits(g).argmax(-1)

@@ -96,12 +96,15 @@ def probs(logits: Tensor, s: Sampling) -> Tensor:
     return torch.softmax(filtered_logits(logits, s), dim=-1)
 
 
-def sample(logits: Tensor, positions: Sequence[int] | Tensor, s: Sampling) -> Tensor:
-    """One token per row of logits [K, V]; row i is the token for absolute position positions[i]."""
+def sample(logits: Tensor, positions: Sequence[int] | Tensor, s: Sampling, token_ids: Tensor | None = None) -> Tensor:
+    """One token per row of logits [K, V]; row i is the token for absolute position positions[i].
+    token_ids: the token id of each column, when the logits cover a sub-vocabulary (a drafter's
+    head); it samples as from full-vocabulary logits that are -inf outside it."""
     if logits.dim() == 1:
         logits = logits[None]
     if s.greedy:
-        return logits.argmax(-1)
+        best = logits.argmax(-1)
+        return best if token_ids is None else token_ids[best]
     if isinstance(positions, Tensor):
         positions = positions.tolist()
     if len(positions) != logits.shape[0]:
@@ -109,7 +112,9 @@ def sample(logits: Tensor, positions: Sequence[int] | Tensor, s: Sampling) -> Te
     if logits.shape[0] > 1 and s.top_p < 1.0:
         # Row by row, as target-only decoding samples: CPU reductions over a batch of rows (the
         # logsumexp behind top-p) can round differently from the same reduction over one row.
-        return torch.cat([sample(logits[i:i + 1], positions[i:i + 1], s) for i in range(len(positions))])
+        return torch.cat([sample(logits[i:i + 1], positions[i:i + 1], s, token_ids) for i in range(len(positions))])
     ids, vals = candidates(logits, s)
+    if token_ids is not None:
+        ids = token_ids[ids]
     g = gumbel_noise(s.seed, positions, ids, logits.device)
     return ids.gather(-1, (vals + g).argmax(-1, keepdim=True)).squeeze(-1)

@@ -55,6 +55,9 @@ class MtpDrafter(Drafter):
     def _choose(self, g: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None]:
         if self.sampling.greedy and not self.want_q:
             return int(self.head.greedy(g)[0]), None
+        if not self.want_q:  # noise for the draft vocabulary's tokens only, not all 49,152
+            logits, ids = self.head.vocab_logits(g)
+            return int(sample(logits, [position], self.sampling, token_ids=ids)[0]), None
         logits = self.head.logits(g)
         q = probs(logits, self.sampling)[0] if self.want_q else None
         # the target's own position-keyed sampler: at temperature > 0 the guess shares the target's noise

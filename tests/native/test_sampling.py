@@ -112,3 +112,14 @@ def test_sampling_candidates_equal_the_dense_gumbel_max(s):
     positions = list(range(100, 106))
     dense = (filtered_logits(logits, s) + gumbel_noise(s.seed, positions, 5000)).argmax(-1)
     assert torch.equal(sample(logits, positions, s), dense)
+
+
+@pytest.mark.parametrize("s", [Sampling(), Sampling(temperature=0.8, seed=2), Sampling(temperature=1.0, seed=5, top_k=7),
+                               Sampling(temperature=0.7, seed=9, top_p=0.8)], ids=["greedy", "t0.8", "top-k", "top-p"])
+def test_a_sub_vocabulary_samples_as_the_full_one_with_minus_inf_outside(s):
+    vocab = torch.tensor([3, 8, 11, 19, 20, 31, 40, 41, 57, 60])
+    sub = torch.randn(4, len(vocab), generator=torch.Generator().manual_seed(1)) * 3
+    full = torch.full((4, 64), float("-inf"))
+    full[:, vocab] = sub
+    positions = [5, 6, 7, 8]
+    assert torch.equal(sample(sub, positions, s, token_ids=vocab), sample(full, positions, s))
