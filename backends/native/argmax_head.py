@@ -9,7 +9,7 @@ argmax of logits / T plus noise, so:
 2. a rigorous bound E on |A - float32 logits| per entry (Cauchy-Schwarz on the weight and
    activation rounding, plus float32 accumulation and the kernel's bfloat16 output);
 3. every token whose score could still be the best ((A + E) / T + noise >= max((A - E) / T +
-   noise): about ten per row when greedy, a few hundred at T = 0.7) gets its logit recomputed in
+   noise): about ten per row when greedy, several hundred at T = 0.7) gets its logit recomputed in
    float32 from the exact weights, and its score with the sampler's own arithmetic.
 
 The choice is the one `sampling.sample` makes from float32 logits (top-k and top-p still need
