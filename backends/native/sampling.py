@@ -55,7 +55,12 @@ def argmax_over_vocabulary(s: Sampling) -> bool:
     """Whether the choice is an argmax over every token's score (greedy: the logits; plain
     temperature sampling: logits / T + noise), with no top-k or top-p cut that needs the exact
     distribution."""
-    return s.greedy or (s.top_k <= 0 and s.top_p >= 1.0)
+    return s.greedy or _unfiltered(s)
+
+
+def _unfiltered(s: Sampling) -> bool:
+    """No top-k or top-p cut: every token is a candidate."""
+    return s.top_k <= 0 and s.top_p >= 1.0
 
 
 _NUCLEUS_GUESS = 1024  # top-p first looks for the nucleus among this many best tokens
@@ -66,7 +71,7 @@ def candidates(logits: Tensor, s: Sampling) -> tuple[Tensor, Tensor]:
     logits / T [K, C]) with -inf where top-p drops a token. C = V without top-k / top-p."""
     x = logits.float() / s.temperature
     K, V = x.shape
-    if s.top_k <= 0 and s.top_p >= 1.0:
+    if _unfiltered(s):
         return torch.arange(V, device=x.device).expand(K, V), x
     if s.top_k > 0:
         vals, ids = torch.topk(x, min(s.top_k, V), dim=-1)
