@@ -49,15 +49,16 @@ class ArgmaxHead:
         self.weight = w
         self.scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
         self.q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-        self.err_norm = torch.empty(w.shape[0], device=w.device)  # ||w - w_int8|| per row
-        self.w_norm = torch.empty(w.shape[0], device=w.device)  # max(||w||, ||w_int8||) per row
+        # per token: ||w - w_int8|| and max(||w||, ||w_int8||), as rows of one [2, vocab] matrix,
+        # so that a state's bound terms for every token come from one small matmul
+        self.norms = torch.empty(2, w.shape[0], device=w.device)
         for lo in range(0, w.shape[0], _CHUNK):  # a chunk at a time: no full-size float32 temporaries
             rows = slice(lo, lo + _CHUNK)
             part, scale = w[rows], self.scale[rows].float()[:, None]
             self.q[rows] = (part / scale).round_().clamp_(-127, 127).to(torch.int8)
             approx = self.q[rows].float() * scale
-            self.err_norm[rows] = (part - approx).norm(dim=1) * _SLACK
-            self.w_norm[rows] = torch.maximum(part.norm(dim=1), approx.norm(dim=1)) * _SLACK
+            self.norms[0, rows] = (part - approx).norm(dim=1) * _SLACK
+            self.norms[1, rows] = torch.maximum(part.norm(dim=1), approx.norm(dim=1)) * _SLACK
         # float32 accumulation over `dim` products, once in the kernel and once in the recomputation
         self.gamma = 2 * w.shape[1] * torch.finfo(torch.float32).eps
 
@@ -67,28 +68,34 @@ class ArgmaxHead:
         position-keyed noise): only tokens whose score could still be the best are recomputed."""
         x = states.float()
         approx, bound = self._approx(x)
-        t = 1.0 if s.greedy else s.temperature
-        low, high = (approx - bound) / t, (approx + bound) / t  # each token's score lies in between
+        high, low = approx + bound, approx - bound  # each token's logit lies in between
         noise = None
-        if not s.greedy:
+        if not s.greedy:  # scores are logits / T + noise: the same shift for both ends
             noise = sampler.gumbel_noise(s.seed, positions, approx.shape[1], x.device)
-            low, high = low + noise, high + noise
-        margin = (low.abs() + high.abs() + 1) * _SCORE_SLACK  # far above the rounding of these few operations
-        rows, ids = (high + margin >= (low - margin).amax(1, keepdim=True)).nonzero(as_tuple=True)
+            high, low = torch.add(noise, high, alpha=1 / s.temperature), torch.add(noise, low, alpha=1 / s.temperature)
+        best_low, best_high = low.amax(1, keepdim=True), high.amax(1, keepdim=True)
+        # far above the rounding of the few operations behind each score (they are all at most
+        # max(|best_low|, |best_high|) apart from a candidate's)
+        margin = (best_low.abs() + best_high.abs() + 1) * _SCORE_SLACK
+        rows, ids = (high >= best_low - 2 * margin).nonzero(as_tuple=True)
         exact = (self.weight[ids] * x[rows]).sum(-1)  # the float32 logits of the tokens that could win
-        scores = torch.full_like(approx, float("-inf"))
         # the sampler's own arithmetic on them (x / T + noise), so ties break as it breaks them
-        scores[rows, ids] = exact if noise is None else exact / s.temperature + noise[rows, ids]
-        return scores.argmax(-1)
+        scores = exact if noise is None else exact / s.temperature + noise[rows, ids]
+        if len(x) == 1:  # ids ascend within a row: argmax keeps the first of equal scores, as the sampler does
+            return ids[scores.argmax()].reshape(1)
+        return torch.stack([ids[rows == r][scores[rows == r].argmax()] for r in range(len(x))])
 
     def _approx(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """The int8 head's logits and the bound on their distance from the float32 logits."""
+        """The int8 head's logits and the bound on their distance from the float32 logits: per token,
+        ||x|| ||w - w_int8|| (weight rounding) + (||x - x_bf16|| + gamma max(||x||, ||x_bf16||)) ||w||
+        (activation rounding, float32 accumulation) + 2^-8 |logit| (the kernel's bfloat16 output)."""
         xb = x.to(torch.bfloat16)
         logits = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale).float()
-        x_norm = x.norm(dim=1, keepdim=True) * _SLACK
-        bound = (self.err_norm * x_norm + self.w_norm * (x - xb.float()).norm(dim=1, keepdim=True) * _SLACK
-                 + self.gamma * self.w_norm * torch.maximum(x_norm, xb.float().norm(dim=1, keepdim=True))
-                 + _BF16_ROUNDING * logits.abs())
+        x_norm = x.norm(dim=1) * _SLACK
+        xb_norm = xb.float().norm(dim=1)
+        act = (x - xb.float()).norm(dim=1) * _SLACK + self.gamma * torch.maximum(x_norm, xb_norm)
+        coeff = torch.stack([x_norm, act], 1) * _SLACK  # [rows, 2]; the slack covers this matmul's rounding
+        bound = torch.add(coeff @ self.norms, logits.abs(), alpha=_BF16_ROUNDING)
         return logits, bound
 
     def within_bound(self, states: Tensor) -> bool:

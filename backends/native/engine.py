@@ -156,11 +156,9 @@ class TorchBackend(Backend):
         where the model can (greedy and plain temperature sampling on CPU; see argmax_head.py)."""
         return self.model.choose(states, positions, sampling)
 
-    @property
-    def head_rows(self) -> int | None:
-        """How many rows `head_logits` and `choose` may take at a time keeping each row's bits
-        (None: any)."""
-        return self.model.head_rows
+    def choose_rows(self, sampling: Sampling) -> int | None:
+        """How many verify rows `choose` should take per call (None: all); see Transformer.choose_rows."""
+        return self.model.choose_rows(sampling)
 
     def truncate(self, n: int) -> None:
         self.model.cache.truncate(n)

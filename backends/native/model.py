@@ -371,6 +371,15 @@ class Transformer(nn.Module):
         """Rows the head can be applied to at a time with each row's bits unchanged (None: any)."""
         return 2 if self.head.row_stable else None
 
+    def choose_rows(self, s: Sampling) -> int | None:
+        """How many rows of a verify block `choose` should take per call (None: all at once). The
+        argmax head streams its int8 weights once however many rows it scores, so one call; the
+        float32 head costs as much per pair of rows, so a pair at a time lets the loop stop at
+        the first rejected draft."""
+        if self.argmax_head is not None and sampler.argmax_over_vocabulary(s):
+            return None
+        return self.head_rows
+
     def _blocks(self, x: Tensor, write: slice | Tensor, span: int, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 hidden_layers: tuple[int, ...], row_groups: list[tuple] | None = None
                 ) -> tuple[Tensor, dict[int, Tensor]]:

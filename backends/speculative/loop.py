@@ -73,7 +73,9 @@ class Target(Protocol):
     context_length: int
     cached: list[int]  # token ids whose keys/values are in the cache
 
-    head_rows: int | None  # rows head_logits and choose take at a time with unchanged bits (None: any)
+    def choose_rows(self, sampling: Sampling) -> int | None:
+        """Rows of a verify block per `choose` call that keep each row's bits and cost least
+        (None: all rows in one call)."""
 
     def forward(self, tokens: Sequence[int], start_pos: int, hidden_layers: tuple[int, ...] = (),
                 all_logits: bool = True, exact_rows: bool = False,
@@ -95,8 +97,9 @@ def target_choices(target: Target, states: torch.Tensor, draft: Sequence[int], p
                    sampling: Sampling) -> list[int]:
     """The target's own token at each block position, as far as `accept_exact` will look: the LM
     head (a full-vocabulary matmul, the largest single cost of a verify row on CPU) runs on
-    `target.head_rows` rows at a time and stops after the first chunk holding a rejected draft."""
-    chunk = target.head_rows or len(positions)
+    `target.choose_rows(sampling)` rows at a time and stops after the first chunk holding a
+    rejected draft."""
+    chunk = target.choose_rows(sampling) or len(positions)
     chosen: list[int] = []
     for lo in range(0, len(positions), chunk):
         hi = lo + chunk

@@ -9,8 +9,11 @@ from backends.speculative.loop import target_choices
 class CountingHead:
     """A target whose 'state' rows are already one-hot logits; counts the head's calls."""
 
-    def __init__(self, head_rows):
-        self.head_rows, self.calls = head_rows, []
+    def __init__(self, rows):
+        self.rows, self.calls = rows, []
+
+    def choose_rows(self, sampling):
+        return self.rows
 
     def choose(self, states, positions, sampling):
         self.calls.append(len(states))

@@ -98,6 +98,15 @@ def test_strict_verification_is_bitwise_target_only(bf16_pair, depth, sampling):
         assert out.token_ids == ref.token_ids
 
 
+def test_verify_rows_reach_the_argmax_head_in_one_call(bf16_pair):
+    """The int8 head streams its weights once for any number of rows; the float32 head (top-k /
+    top-p) costs per pair of rows, so the loop gives it pairs and stops at a rejected draft."""
+    target = bf16_pair[0]
+    assert target.choose_rows(Sampling()) is None
+    assert target.choose_rows(Sampling(temperature=0.8, seed=1)) is None
+    assert target.choose_rows(Sampling(temperature=1.2, top_k=20, seed=1)) == 2
+
+
 def test_strict_refuses_kernels_that_are_not_row_invariant(target, drafters):
     from backends.base import BackendError
 
