@@ -4,15 +4,25 @@ Tensors are dequantized to float32 with the `gguf` package, except Q4_0/Q4_1 mat
 `keep_int4` is set: those stay as 4-bit groups (`Int4Rows`) for torch's int4 kernel, so the
 engine runs the very weights llama.cpp runs. llama.cpp's converter permutes the rows of Q and K
 for llama-arch models (interleaved RoPE); we undo that to get the Hugging Face layout.
+
+`gguf.GGUFReader` parses every metadata field, tokenizer vocabulary and merges included, which
+takes seconds for a 49k-token vocabulary; what the engine needs from it (the model's own fields
+and where each tensor lies in the file) is saved once as a small index under the cache
+directory, keyed by the file's path, size and modification time, and read from there later.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from backends.base import BackendError
+from specchat import paths
 from backends.native.model import ModelConfig
 from backends.native.weights import Checkpoint, Int4Rows, _refuse_unknown, progress
 
@@ -27,27 +37,104 @@ SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 PERMUTED_ARCHS = ("llama",)  # archs whose Q/K rows llama.cpp's converter permutes
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+_VOCAB_COUNT = "tokenizer.ggml.tokens/count"  # index entry: the vocabulary's size, not its tokens
 
 
-def config_from_gguf(reader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+@dataclass
+class GgufTensor:
+    """What the loader reads of a tensor: `data` as `gguf.GGUFReader` gives it (raw blocks as
+    uint8 rows for quantized types), a read-only view of the file."""
+
+    name: str
+    tensor_type: "gguf.GGMLQuantizationType"  # noqa: F821
+    shape: list[int]  # GGUF order (innermost first), as ReaderTensor.shape
+    data: np.ndarray
+    offset: int  # where `data` starts in the file
+
+
+@dataclass
+class GgufIndex:
+    fields: dict  # metadata values, except the tokenizer's (see _VOCAB_COUNT)
+    tensors: dict[str, GgufTensor]
+
+    @classmethod
+    def from_reader(cls, reader) -> "GgufIndex":
+        fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            fields[_VOCAB_COUNT] = len(tokens.data)
+        return cls(fields, {t.name: GgufTensor(t.name, t.tensor_type, [int(d) for d in t.shape], t.data,
+                                               int(t.data_offset)) for t in reader.tensors})
+
+    def to_json(self) -> str:
+        entries = [{"name": t.name, "type": int(t.tensor_type), "shape": t.shape, "offset": t.offset,
+                    "dtype": t.data.dtype.str, "array_shape": list(t.data.shape)} for t in self.tensors.values()]
+        return json.dumps({"fields": self.fields, "tensors": entries})
+
+    @classmethod
+    def from_json(cls, text: str, path: Path) -> "GgufIndex":
+        import gguf
+
+        raw = json.loads(text)
+        file = np.memmap(path, dtype=np.uint8, mode="r")
+        tensors = {}
+        for e in raw["tensors"]:
+            dtype = np.dtype(e["dtype"])
+            n_bytes = int(np.prod(e["array_shape"], dtype=np.int64)) * dtype.itemsize
+            data = file[e["offset"]:e["offset"] + n_bytes].view(dtype).reshape(e["array_shape"])
+            tensors[e["name"]] = GgufTensor(e["name"], gguf.GGMLQuantizationType(e["type"]), e["shape"], data,
+                                            e["offset"])
+        return cls(raw["fields"], tensors)
+
+    def field(self, key: str, default=None):
+        return self.fields.get(key, default)
+
+
+def _index_path(path: Path) -> Path:
+    import gguf
+
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{getattr(gguf, '__version__', '')}"
+    return paths.cache_dir() / "gguf-index" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def read_index(path: Path) -> GgufIndex:
+    """The file's metadata and tensor layout: from the cached index, else parsed (and cached)."""
+    import gguf
+
+    cached = _index_path(path)
+    try:
+        return GgufIndex.from_json(cached.read_text(), path)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not cached yet, or unreadable: parse the file again
+    try:
+        index = GgufIndex.from_reader(gguf.GGUFReader(str(path)))
+    except Exception as e:
+        raise BackendError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    try:
+        text = index.to_json()
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, cached)  # atomic: another process may be writing the same index
+    except (OSError, TypeError, ValueError):
+        pass  # a metadata value JSON cannot hold, or a read-only cache: parse again next time
+    return index
+
+
+def config_from_gguf(index: GgufIndex) -> ModelConfig:
+    arch = index.field("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise BackendError(f"GGUF architecture '{arch}' is not supported by the torch engine "
                            f"(supported: {', '.join(SUPPORTED_ARCHS)}); use backend: llamacpp")
 
     def a(key, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+        return index.field(f"{arch}.{key}", default)
 
-    names = {t.name for t in reader.tensors}
+    names = set(index.tensors)
     n_heads = int(a("attention.head_count"))
     dim = int(a("embedding_length"))
-    vocab = a("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    vocab = a("vocab_size") or index.field(_VOCAB_COUNT, 0)
     scaling = None
     if a("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
@@ -91,14 +178,9 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 
 def load_gguf(path: Path, keep_int4: bool = False) -> Checkpoint:
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:
-        raise BackendError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    cfg = config_from_gguf(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    index = read_index(path)
+    cfg = config_from_gguf(index)
+    tensors = index.tensors
     int4_types = ("Q4_0", "Q4_1")
 
     def load(name: str, matrix: bool = False):

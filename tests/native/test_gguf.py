@@ -96,6 +96,45 @@ def test_gguf_tokenizer_is_cached_and_identical(tiny_ggufs, tmp_path, monkeypatc
     assert first.eos_ids == second.eos_ids == {first.hf.convert_tokens_to_ids("<|im_end|>")}
 
 
+def _same_checkpoint(a, b) -> bool:
+    def same(x, y):
+        if isinstance(x, Int4Rows):
+            return all(torch.equal(getattr(x, f), getattr(y, f)) for f in ("q", "scale", "zero"))
+        return torch.equal(x, y)
+    return (a.cfg == b.cfg and same(a.embed, b.embed) and same(a.norm, b.norm)
+            and all(la.keys() == lb.keys() and all(same(la[k], lb[k]) for k in la) for la, lb in zip(a.layers, b.layers)))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q4_1"])
+def test_gguf_index_is_cached_and_loads_the_same_weights(tiny_ggufs, qtype, monkeypatch):
+    """After the first load the metadata and tensor layout come from the cached index, without
+    parsing the file's fields (the slow part for a real vocabulary)."""
+    import gguf
+
+    from backends.native import gguf_loader
+
+    path = tiny_ggufs[qtype]
+    first = load_gguf(path, keep_int4=True)
+    assert gguf_loader._index_path(path).exists()
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("the GGUF was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_parsing)
+    assert _same_checkpoint(load_gguf(path, keep_int4=True), first)
+
+
+def test_a_damaged_gguf_index_is_rebuilt(tiny_ggufs):
+    from backends.native import gguf_loader
+
+    path = tiny_ggufs["Q8_0"]
+    first = load_gguf(path)
+    index = gguf_loader._index_path(path)
+    index.write_text("{not json")
+    assert _same_checkpoint(load_gguf(path), first)
+    assert index.read_text().startswith('{"fields"')
+
+
 def test_unsupported_or_broken_gguf_is_one_clear_line(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf at all")
