@@ -74,8 +74,8 @@ class ArgmaxHead:
             noise = sampler.gumbel_noise(s.seed, positions, approx.shape[1], x.device)
             high, low = torch.add(noise, high, alpha=1 / s.temperature), torch.add(noise, low, alpha=1 / s.temperature)
         best_low, best_high = low.amax(1, keepdim=True), high.amax(1, keepdim=True)
-        # far above the rounding of the few operations behind each score (they are all at most
-        # max(|best_low|, |best_high|) apart from a candidate's)
+        # a candidate's bounds lie between best_low and best_high, so a slack relative to those two
+        # is far above the rounding of the few operations behind them
         margin = (best_low.abs() + best_high.abs() + 1) * _SCORE_SLACK
         rows, ids = (high >= best_low - 2 * margin).nonzero(as_tuple=True)
         exact = (self.weight[ids] * x[rows]).sum(-1)  # the float32 logits of the tokens that could win
