@@ -70,6 +70,7 @@ def run_ladder(profile: Profile, depths: list[int], prompts: list[PromptItem],
 
     check(profile)
     spec = SpeculativeBackend.from_profile(profile)
+    spec.adaptive = False  # each rung drafts at its depth on every pass, so the rungs measure the depth
     most = spec.drafter.max_depth
     if most is not None and max(depths) > most:
         spec.close()

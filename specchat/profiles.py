@@ -50,6 +50,10 @@ class SpeculativeConfig(_Strict):
     # Verify with exactly the arithmetic of target-only decoding (row by row): true requires it,
     # false turns it off, auto (unset) uses it where the kernels make it possible.
     strict: Optional[bool] = None
+    # Draft only where it pays: pause a drafter (or the lookup or model half of `lookup`) while its
+    # drafted passes bring fewer tokens per second than plain ones, retrying now and then. The
+    # output is the same either way; false drafts on every pass (as `specchat ladder` measures).
+    adaptive: bool = True
     # MTP: which target hidden state feeds the head (post_norm: after the final norm, as the
     # reference implementations do; pre_norm: the last layer's output). Unset: what the head's
     # config says, else post_norm.

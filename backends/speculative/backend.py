@@ -8,6 +8,7 @@ from backends.base import Backend, BackendError, Event, Request, Sampling
 from backends.native.engine import TorchBackend
 from backends.native.weights import Int4Rows, int4_linear
 from backends.speculative.drafters import DraftModelDrafter, LookupFirst, NgramDrafter, check_same_tokenizer
+from backends.speculative.gate import DraftGate
 from backends.speculative.loop import Drafter, speculative_stream
 
 
@@ -15,7 +16,7 @@ class SpeculativeBackend(Backend):
     name = "torch"
 
     def __init__(self, target: TorchBackend, drafter: Drafter, depth: int, acceptance: str = "exact",
-                 strict: bool | None = False):
+                 strict: bool | None = False, adaptive: bool = False):
         if strict is None:  # auto
             strict = target.rows_bitwise
         if strict and not target.rows_bitwise:
@@ -24,6 +25,7 @@ class SpeculativeBackend(Backend):
                                "set dtype: bfloat16 (or auto for a Q4 GGUF) or strict: false")
         self.target, self.drafter = target, drafter
         self.depth, self.acceptance, self.strict = depth, acceptance, strict
+        self.adaptive = adaptive  # draft only from sources whose passes pay (gate.py)
 
     @classmethod
     def from_profile(cls, profile) -> "SpeculativeBackend":
@@ -37,7 +39,7 @@ class SpeculativeBackend(Backend):
             target.close()
             raise
         try:
-            return cls(target, drafter, spec.depth, spec.acceptance, spec.strict)
+            return cls(target, drafter, spec.depth, spec.acceptance, spec.strict, spec.adaptive)
         except BackendError:
             drafter.close()
             target.close()
@@ -61,7 +63,7 @@ class SpeculativeBackend(Backend):
             self.drafter.model_depth = depth
             depth = max(depth, self.drafter.lookup_depth)
         return speculative_stream(self.target, self.drafter, prompt, sampling, depth, self.acceptance, cancel,
-                                  self.strict)
+                                  self.strict, DraftGate() if self.adaptive else None)
 
     def close(self) -> None:
         self.drafter.close()

@@ -41,11 +41,20 @@ class LookupFirst(Drafter):
         self.index.reset()
         self.model.start(prompt_ids, hidden, sampling)
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return ("lookup", self.model.name)
+
     def propose(self, tokens: Sequence[int], depth: int) -> Draft:
-        found = self.index.propose(tokens, min(depth, self.lookup_depth))
-        if found:
-            return Draft(found)
-        return self.model.propose(tokens, min(depth, self.model_depth))
+        if "lookup" not in self.paused:
+            found = self.index.propose(tokens, min(depth, self.lookup_depth))
+            if found:
+                return Draft(found, source="lookup")
+        if self.model.name in self.paused:
+            return Draft([])
+        draft = self.model.propose(tokens, min(depth, self.model_depth))
+        draft.source = draft.source or self.model.name
+        return draft
 
     def commit(self, tokens, hidden) -> None:
         self.model.commit(tokens, hidden)

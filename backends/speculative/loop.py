@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterator, Optional, Protocol, Sequence
@@ -23,12 +24,14 @@ from backends.base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX
 from backends.detok import IncrementalDetokenizer
 from backends.native.sampling import probs
 from backends.speculative.acceptance import accept_exact, accept_rejection
+from backends.speculative.gate import ALL, DraftGate
 
 
 @dataclass
 class Draft:
     tokens: list[int]
     q: Optional[torch.Tensor] = None  # [len(tokens), V] distributions the drafts were sampled from
+    source: str = ""  # who guessed (see Drafter.sources); "" for the drafter itself
 
 
 class Drafter(ABC):
@@ -39,6 +42,12 @@ class Drafter(ABC):
     name = "drafter"
     hidden_layers: tuple[int, ...] = ()  # target layers to return from every pass (-1: final, after norm)
     max_depth: Optional[int] = None  # most tokens it can propose per pass (None: no limit)
+    paused: frozenset[str] = frozenset()  # sources the loop wants left out of the next proposal (gate.py)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Who may guess in a proposal, by the names `Draft.source` carries."""
+        return (self.name,)
 
     def start(self, prompt_ids: Sequence[int], hidden: dict[int, torch.Tensor], sampling: Sampling) -> None:
         """A new request; `hidden` holds the target's states for the prompt positions."""
@@ -115,9 +124,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], sampling: Sampling, depth: int,
                        acceptance: str = "exact", cancel: Optional[threading.Event] = None,
-                       strict: bool = False) -> Iterator[Event]:
+                       strict: bool = False, gate: Optional[DraftGate] = None) -> Iterator[Event]:
     """`strict`: verify blocks with the arithmetic of single-token decoding, row by row
-    (the engine's `exact_rows`), so that not even a floating-point near-tie can flip a token."""
+    (the engine's `exact_rows`), so that not even a floating-point near-tie can flip a token.
+    `gate`: draft from a source only while its passes are faster than plain ones (gate.py)."""
     stats = StreamStats(prompt_tokens=len(prompt))
     detok = IncrementalDetokenizer(target.detokenize)
     layers = drafter.hidden_layers
@@ -162,6 +172,11 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
             reason = STOP_CONTEXT_FULL
             break
         k = max(0, min(depth, sampling.max_tokens - produced - 1, room))
+        if gate is not None:
+            drafter.paused = gate.plan()
+            if ALL in drafter.paused or all(source in drafter.paused for source in drafter.sources):
+                k = 0
+        started = time.perf_counter()
         draft = drafter.propose(tokens, k) if k else Draft([])
         d = draft.tokens[:k]
         states, hidden = target.forward([tokens[-1]] + d, n - 1, layers, exact_rows=strict, head=False)
@@ -178,6 +193,8 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
         target.truncate(n + verdict.accepted)
         tokens.extend(new)
         drafter.commit(tokens, {layer: h[:verdict.accepted + 1] for layer, h in hidden.items()})
+        if gate is not None:
+            gate.record((draft.source or drafter.name) if d else None, len(new), time.perf_counter() - started)
         step, hit_eos = emit(new, len(d), verdict.accepted)
         if step is not None:
             yield step

@@ -1,0 +1,70 @@
+"""When drafting pays: the loop drafts from a source only while its drafted passes bring tokens
+faster than plain passes would.
+
+A source is a drafter (`mtp`, `draft`, `ngram`, `dflash`), or one half of prompt lookup in front
+of a model drafter (`lookup` and the model's name). Per source the gate keeps moving averages of
+tokens per drafted pass and seconds per drafted pass (proposal, verification and acceptance), and
+overall the seconds per plain pass (no draft). A source whose drafted passes bring fewer tokens per
+second than plain passes is paused, and tried again every `probe` passes while paused, so it comes
+back when the text turns its way. Every `baseline_every` passes one pass is plain whatever the
+sources do, so the plain rate stays measured as the context grows.
+
+The gate only decides how much is drafted, which never changes what is emitted: under exact
+acceptance every pass emits the target's own tokens, drafted or not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class _Average:
+    tokens: float = 0.0
+    seconds: float = 0.0
+    passes: int = 0
+
+    def add(self, tokens: float, seconds: float, alpha: float) -> None:
+        if self.passes == 0:
+            self.tokens, self.seconds = tokens, seconds
+        else:
+            self.tokens += alpha * (tokens - self.tokens)
+            self.seconds += alpha * (seconds - self.seconds)
+        self.passes += 1
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second."""
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+ALL = "*"  # in a `plan`: no source drafts (a baseline pass)
+
+
+class DraftGate:
+    def __init__(self, alpha: float = 0.25, warmup: int = 4, probe: int = 8, baseline_every: int = 32):
+        self.alpha, self.warmup, self.probe, self.baseline_every = alpha, warmup, probe, baseline_every
+        self.plain = _Average()
+        self.sources: dict[str, _Average] = {}
+        self._paused_passes: dict[str, int] = {}  # passes a source has sat out since it was paused
+        self._passes = 0
+
+    def plan(self) -> frozenset[str]:
+        """The sources not to draft from in the next pass (ALL: none drafts)."""
+        self._passes += 1
+        if self.plain.passes == 0 or self._passes % self.baseline_every == 0:
+            return frozenset({ALL})
+        paused = set()
+        for name, avg in self.sources.items():
+            if avg.passes < self.warmup or avg.rate >= self.plain.rate:
+                self._paused_passes.pop(name, None)
+                continue
+            waited = self._paused_passes.get(name, 0) + 1
+            self._paused_passes[name] = waited
+            if waited % self.probe:
+                paused.add(name)
+        return frozenset(paused)
+
+    def record(self, source: str | None, tokens: int, seconds: float) -> None:
+        """A pass drafted by `source` (None: a plain pass) emitted `tokens` in `seconds`."""
+        avg = self.plain if source is None else self.sources.setdefault(source, _Average())
+        avg.add(tokens, seconds, self.alpha)

@@ -1,0 +1,138 @@
+"""The draft gate: drafting pauses where it does not pay, comes back to check, and never changes
+what is emitted."""
+import random
+import time
+
+import pytest
+
+from backends.base import Request, Sampling, run_to_summary
+from backends.speculative import backend as backend_module
+from backends.speculative.backend import SpeculativeBackend
+from backends.speculative.drafters import LookupFirst
+from backends.speculative.gate import ALL, DraftGate
+from backends.speculative.loop import Draft, Drafter
+from specchat.verify import fresh
+from tests.speculative.conftest import PROMPTS, SAMPLINGS
+
+PLAIN_SECONDS = 0.010  # a plain pass emits 1 token: 100 tokens per second
+
+
+def drive(gate: DraftGate, source: str, tokens: float, seconds: float, passes: int) -> list[bool]:
+    """Runs `passes` passes against the gate; True where the source sat out."""
+    sat_out = []
+    for _ in range(passes):
+        plan = gate.plan()
+        if ALL in plan or source in plan:
+            gate.record(None, 1, PLAIN_SECONDS)
+            sat_out.append(True)
+        else:
+            gate.record(source, round(tokens), seconds)
+            sat_out.append(False)
+    return sat_out
+
+
+def test_the_first_pass_measures_plain_decoding():
+    gate = DraftGate()
+    assert gate.plan() == {ALL}
+    gate.record(None, 1, PLAIN_SECONDS)
+    assert gate.plan() == frozenset()
+
+
+def test_a_source_slower_than_plain_passes_is_paused_and_probed():
+    gate = DraftGate(warmup=3, probe=4, baseline_every=1000)
+    sat_out = drive(gate, "mtp", 1, 0.012, 41)  # 83 tokens/s against 100
+    assert sat_out[0] and sat_out[1:4] == [False] * 3  # the baseline, then the warm-up drafts
+    assert sat_out[4:] == [True, True, True, False] * 9 + [True]  # one probe in every 4 passes
+
+
+def test_a_source_that_pays_keeps_drafting():
+    gate = DraftGate(warmup=3, probe=4, baseline_every=1000)
+    assert not any(drive(gate, "ngram", 2, 0.013, 40)[1:])  # 154 tokens/s against 100
+
+
+def test_a_paused_source_comes_back_when_it_pays_again():
+    gate = DraftGate(warmup=3, probe=4, baseline_every=1000)
+    assert sum(drive(gate, "lookup", 1, 0.012, 20)) > 10
+    back = drive(gate, "lookup", 3, 0.013, 40)  # the text turned into a quote: long accepted runs
+    assert not any(back[-20:])
+
+
+def test_plain_decoding_is_measured_again_as_the_reply_grows():
+    gate, baselines = DraftGate(warmup=1, baseline_every=5), []
+    for n in range(1, 16):
+        if ALL in gate.plan():
+            gate.record(None, 1, PLAIN_SECONDS)
+            baselines.append(n)
+        else:
+            gate.record("mtp", 2, 0.011)  # a source that pays: only the baseline passes are plain
+    assert baselines == [1, 5, 10, 15]
+
+
+class Scripted(Drafter):
+    name = "mtp"
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, tokens, depth):
+        self.calls += 1
+        return Draft([7])
+
+
+def test_lookup_keeps_drafting_while_the_model_half_sits_out():
+    model = Scripted()
+    drafter = LookupFirst(model, lookup_depth=3, n_min=1, n_max=2)
+    assert drafter.sources == ("lookup", "mtp")
+    drafter.paused = frozenset({"mtp"})
+    assert drafter.propose([1, 2, 3, 1, 2], 3) == Draft([3, 1, 2], source="lookup")
+    assert drafter.propose([5, 6], 3) == Draft([]) and model.calls == 0
+    drafter.paused = frozenset()
+    assert drafter.propose([5, 6], 3) == Draft([7], source="mtp") and model.calls == 1
+    drafter.paused = frozenset({"lookup"})
+    assert drafter.propose([1, 2, 3, 1, 2], 3) == Draft([7], source="mtp")
+
+
+class SlowAndWrong(Drafter):
+    """Guesses token 0 after a 20 ms think: never worth a pass."""
+
+    name = "slow"
+
+    def __init__(self):
+        self.passes = 0
+
+    def propose(self, tokens, depth):
+        self.passes += 1
+        time.sleep(0.02)
+        return Draft([0] * depth)
+
+
+def test_a_drafter_that_never_pays_sits_out_and_the_reply_is_the_same(target):
+    request, sampling = Request(messages=PROMPTS[0]), Sampling(max_tokens=48)
+    ref = run_to_summary(fresh(target).stream(request, sampling))
+    always, gated = SlowAndWrong(), SlowAndWrong()
+    out_always = run_to_summary(fresh(SpeculativeBackend(target, always, 2)).stream(request, sampling))
+    out_gated = run_to_summary(fresh(SpeculativeBackend(target, gated, 2, adaptive=True)).stream(request, sampling))
+    assert out_always.token_ids == out_gated.token_ids == ref.token_ids
+    assert always.passes > 30 and gated.passes <= always.passes // 3
+
+
+class RandomGate(DraftGate):
+    """Pauses a random subset of sources every pass: any pattern of drafting and sitting out."""
+
+    def __init__(self):
+        super().__init__()
+        self.random = random.Random(0)
+
+    def plan(self):
+        return frozenset(s for s in ("lookup", "mtp", "draft", "ngram", "dflash", ALL) if self.random.random() < 0.4)
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp", "draft", "dflash", "mtp+lookup", "draft+lookup"])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "t1.2-topk-topp"])
+def test_any_pattern_of_pauses_keeps_the_reply(target, drafters, method, sampling, monkeypatch):
+    monkeypatch.setattr(backend_module, "DraftGate", RandomGate)
+    request = Request(messages=PROMPTS[1])
+    ref = run_to_summary(fresh(target).stream(request, sampling))
+    spec = SpeculativeBackend(target, drafters[method]("exact"), 3, adaptive=True)
+    out = run_to_summary(fresh(spec).stream(request, sampling))
+    assert out.token_ids == ref.token_ids and out.stop_reason == ref.stop_reason
