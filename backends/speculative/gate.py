@@ -5,8 +5,11 @@ A source is a drafter (`mtp`, `draft`, `ngram`, `dflash`), or one half of prompt
 of a model drafter (`lookup` and the model's name). Per source the gate keeps moving averages of
 tokens per drafted pass and seconds per drafted pass (proposal, verification and acceptance), and
 overall the seconds per plain pass (no draft). A source whose drafted passes bring fewer tokens per
-second than plain passes is paused, and tried again every `probe` passes while paused, so it comes
-back when the text turns its way. Every `baseline_every` passes one pass is plain whatever the
+second than `1 - margin` times plain passes is paused, and tried again every `probe` passes while
+paused, so it comes back (at `1 - margin / 2`) when the text turns its way; a probe counts for its
+tokens only, since it also pays for catching the drafter up on the passes it sat out. Near
+break-even the gate leaves a source alone: acceptance comes one pass at a time, and a short window
+of it would only flip the source on and off. Every `baseline_every` passes one pass is plain whatever the
 sources do, so the plain rate stays measured as the context grows.
 
 The gate only decides how much is drafted, which never changes what is emitted: under exact
@@ -23,12 +26,13 @@ class _Average:
     seconds: float = 0.0
     passes: int = 0
 
-    def add(self, tokens: float, seconds: float, alpha: float) -> None:
+    def add(self, tokens: float, seconds: float | None, alpha: float) -> None:
         if self.passes == 0:
-            self.tokens, self.seconds = tokens, seconds
+            self.tokens, self.seconds = tokens, seconds or 0.0
         else:
             self.tokens += alpha * (tokens - self.tokens)
-            self.seconds += alpha * (seconds - self.seconds)
+            if seconds is not None:
+                self.seconds += alpha * (seconds - self.seconds)
         self.passes += 1
 
     @property
@@ -41,8 +45,10 @@ ALL = "*"  # in a `plan`: no source drafts (a baseline pass)
 
 
 class DraftGate:
-    def __init__(self, alpha: float = 0.25, warmup: int = 4, probe: int = 8, baseline_every: int = 32):
+    def __init__(self, alpha: float = 0.08, warmup: int = 8, probe: int = 8, baseline_every: int = 32,
+                 margin: float = 0.10):
         self.alpha, self.warmup, self.probe, self.baseline_every = alpha, warmup, probe, baseline_every
+        self.margin = margin
         self.plain = _Average()
         self.sources: dict[str, _Average] = {}
         self._paused_passes: dict[str, int] = {}  # passes a source has sat out since it was paused
@@ -55,7 +61,9 @@ class DraftGate:
             return frozenset({ALL})
         paused = set()
         for name, avg in self.sources.items():
-            if avg.passes < self.warmup or avg.rate >= self.plain.rate:
+            was_paused = name in self._paused_passes
+            floor = self.plain.rate * (1.0 - (self.margin / 2 if was_paused else self.margin))
+            if avg.passes < self.warmup or avg.rate >= floor:
                 self._paused_passes.pop(name, None)
                 continue
             waited = self._paused_passes.get(name, 0) + 1
@@ -67,4 +75,5 @@ class DraftGate:
     def record(self, source: str | None, tokens: int, seconds: float) -> None:
         """A pass drafted by `source` (None: a plain pass) emitted `tokens` in `seconds`."""
         avg = self.plain if source is None else self.sources.setdefault(source, _Average())
-        avg.add(tokens, seconds, self.alpha)
+        probe = source is not None and source in self._paused_passes
+        avg.add(tokens, None if probe else seconds, self.alpha)

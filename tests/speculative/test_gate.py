@@ -50,6 +50,20 @@ def test_a_source_that_pays_keeps_drafting():
     assert not any(drive(gate, "ngram", 2, 0.013, 40)[1:])  # 154 tokens/s against 100
 
 
+def test_near_break_even_a_source_keeps_drafting():
+    """Within the margin of the plain rate, timing noise would only flip a source on and off."""
+    gate = DraftGate(warmup=3, probe=4, baseline_every=1000, margin=0.05)
+    assert not any(drive(gate, "mtp", 1, 0.0103, 40)[1:])  # 97 tokens/s against 100
+
+
+def test_a_probe_counts_for_its_tokens_not_its_catching_up():
+    gate = DraftGate(warmup=3, probe=4, baseline_every=1000)
+    drive(gate, "mtp", 1, 0.012, 8)  # paused by now
+    seconds, passes = gate.sources["mtp"].seconds, gate.sources["mtp"].passes
+    drive(gate, "mtp", 1, 0.050, 8)  # two probes, slow because the drafter catches up
+    assert gate.sources["mtp"].passes == passes + 2 and gate.sources["mtp"].seconds == seconds
+
+
 def test_a_paused_source_comes_back_when_it_pays_again():
     gate = DraftGate(warmup=3, probe=4, baseline_every=1000)
     assert sum(drive(gate, "lookup", 1, 0.012, 20)) > 10
