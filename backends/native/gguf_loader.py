@@ -12,7 +12,6 @@ directory, keyed by the file's path, size and modification time, and read from t
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -22,9 +21,9 @@ import numpy as np
 import torch
 
 from backends.base import BackendError
-from specchat import paths
 from backends.native.model import ModelConfig
 from backends.native.weights import Checkpoint, Int4Rows, _refuse_unknown, progress
+from specchat import paths
 
 _LAYER_NAMES = {
     "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
@@ -91,11 +90,9 @@ class GgufIndex:
 
 
 def _index_path(path: Path) -> Path:
-    import gguf
+    from importlib.metadata import version
 
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{getattr(gguf, '__version__', '')}"
-    return paths.cache_dir() / "gguf-index" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+    return paths.derived_cache_path("gguf-index", path, version("gguf"), suffix=".json")
 
 
 def read_index(path: Path) -> GgufIndex:

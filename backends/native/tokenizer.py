@@ -5,7 +5,6 @@ directory, keyed by the GGUF's path, size and modification time, and loaded from
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,11 +16,9 @@ from specchat import paths
 
 
 def _gguf_cache_dir(gguf_path: Path) -> Path:
-    st = gguf_path.stat()
     import transformers
 
-    key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    return paths.cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    return paths.derived_cache_path("tokenizers", gguf_path, transformers.__version__)
 
 
 def _load_hf_tokenizer(path: Path):

@@ -9,8 +9,8 @@ second than `1 - margin` times plain passes is paused, and tried again every `pr
 paused, so it comes back (at `1 - margin / 2`) when the text turns its way; a probe counts for its
 tokens only, since it also pays for catching the drafter up on the passes it sat out. Near
 break-even the gate leaves a source alone: acceptance comes one pass at a time, and a short window
-of it would only flip the source on and off. Every `baseline_every` passes one pass is plain whatever the
-sources do, so the plain rate stays measured as the context grows.
+of it would only flip the source on and off. Every `baseline_every` passes one pass is plain
+whatever the sources do, so the plain rate stays measured as the context grows.
 
 The gate only decides how much is drafted, which never changes what is emitted: under exact
 acceptance every pass emits the target's own tokens, drafted or not.

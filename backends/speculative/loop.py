@@ -131,6 +131,7 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
     stats = StreamStats(prompt_tokens=len(prompt))
     detok = IncrementalDetokenizer(target.detokenize)
     layers = drafter.hidden_layers
+    drafter.paused = frozenset()  # no source sits out unless the gate says so
     use_rejection = acceptance == "rejection" and not sampling.greedy
     if cancel is not None and cancel.is_set():  # as target-only decoding: nothing is run
         yield stats.finish(STOP_CANCELLED, "")
