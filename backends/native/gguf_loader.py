@@ -8,7 +8,8 @@ for llama-arch models (interleaved RoPE); we undo that to get the Hugging Face l
 `gguf.GGUFReader` parses every metadata field, tokenizer vocabulary and merges included, which
 takes seconds for a 49k-token vocabulary; what the engine needs from it (the model's own fields
 and where each tensor lies in the file) is saved once as a small index under the cache
-directory, keyed by the file's path, size and modification time, and read from there later.
+directory, keyed by the file's path, size and modification time and the gguf package's version,
+and read from there later.
 """
 from __future__ import annotations
 
