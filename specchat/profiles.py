@@ -109,6 +109,7 @@ class Profile(_Strict):
     device: str = "auto"
     threads: int = Field(0, ge=0)  # 0: all physical cores
     context: int = Field(2048, ge=16)
+    compile: bool = False  # torch: torch.compile the decode passes (CPU: int4/bfloat16; first start compiles)
     system: Optional[str] = None
     sampling: SamplingConfig = SamplingConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()

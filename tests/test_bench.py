@@ -18,6 +18,10 @@ def test_speculative_profiles_get_their_target_only_reference():
     other = ps.get("smollm2").with_overrides({"threads": 1, "sampling.temperature": 0.7})
     rows = bench.plan([other, ps.get("smollm2-ngram")])
     assert [ref for _, _, ref in rows] == [None, "smollm2-ngram:target-only", None]
+    compiled = ps.get("smollm2-ngram").with_overrides({"compile": True})  # other graphs, other speed
+    rows = bench.plan([ps.get("smollm2"), compiled])
+    assert [ref for _, _, ref in rows] == [None, "smollm2-ngram:target-only", None]
+    assert rows[2][1].compile
 
 
 def test_a_user_profile_extending_a_shipped_one_shares_its_reference(isolated_dirs):

@@ -97,12 +97,42 @@ class TorchBackend(Backend):
         self.model: Transformer = build_model(ck, dtype, self._context, int4=self.precision == "int4",
                                               device=self.device)
         del ck
-        if self.device.type == "cuda" or compile:
-            self.model.use_static_shapes(compile=compile)
         self.tokenizer = ChatTokenizer(path)
         self.eos_ids: frozenset[int] = self.tokenizer.eos_ids
-        self.load_s = time.perf_counter() - started
         self.cached: list[int] = []  # token ids whose keys/values are in the cache, in order
+        if self.device.type == "cpu" and compile and self.precision in ROW_INVARIANT_PRECISIONS:
+            self.model.use_compiled_rows()
+            self.warm_up()
+        elif self.device.type == "cuda" or compile:
+            self.model.use_static_shapes(compile=compile)
+        self.load_s = time.perf_counter() - started  # with the first start's compilation, if any
+
+    def warm_up(self, hidden: bool = False) -> None:
+        """Compile now, not in the middle of the first reply: the one-row and the K-row graphs
+        (with every layer's output too when `hidden`, as DFlash's taps need). Leaves the cache empty.
+        Positions and row counts are chosen unequal so that dynamo ties no symbols together."""
+        if not self.model.compiled_rows:
+            return
+        from backends.native.model import ATTENTION_PAD
+        from backends.native.weights import progress
+
+        layers = (0,) if hidden else ()
+        label = "compiling decode graphs (minutes on a first start, then cached: ~25 s)"
+        try:
+            with progress(label, 2) as advance:
+                self.truncate(0)
+                self.forward([0] * 5, 0)
+                self.forward([0], 5, layers)
+                advance(1)
+                if self.model.max_len >= ATTENTION_PAD:  # positions 6..8 share one key count
+                    self.forward([0] * 3, 6, layers, exact_rows=True)
+                advance(1)
+        except Exception as e:  # inductor needs a working C++ compiler, among others
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise BackendError(f"compile: true failed ({type(e).__name__}: {first}); torch.compile on CPU needs "
+                               "a C++ compiler (g++); install one or set compile: false") from None
+        finally:
+            self.truncate(0)
 
     @classmethod
     def from_profile(cls, profile) -> "TorchBackend":
@@ -111,7 +141,7 @@ class TorchBackend(Backend):
         ref = resolve_model(profile.model, profile.base_dir)
         path, kind = (fetch_hub(ref.location), "hf_dir") if ref.kind == "hub" else (ref.path, ref.kind)
         return cls(path, kind, precision=profile.dtype, device=profile.device, threads=profile.threads,
-                   context=profile.context)
+                   context=profile.context, compile=profile.compile)
 
     # ---- the pieces a speculative loop uses ----
 

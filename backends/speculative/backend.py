@@ -88,7 +88,8 @@ def make_model_drafter(profile, target: TorchBackend) -> Drafter:
         ref = resolve_model(spec.drafter, profile.base_dir)
         path = fetch_hub(ref.location) if ref.kind == "hub" else ref.location
         engine = TorchBackend(path, "hf_dir" if ref.kind == "hub" else ref.kind, precision=profile.dtype,
-                              device=profile.device, threads=profile.threads, context=target.context_length)
+                              device=profile.device, threads=profile.threads, context=target.context_length,
+                              compile=profile.compile)
         try:
             check_same_tokenizer(target, engine, spec.drafter)
         except BackendError:
@@ -160,4 +161,5 @@ def make_dflash_drafter(profile, target: TorchBackend) -> Drafter:
     if spec.depth > most:
         raise BackendError(f"profile '{profile.name}': depth {spec.depth} is more than this DFlash drafter "
                            f"proposes per pass (block_size {model.cfg.block_size}); set speculative.depth <= {most}")
+    target.warm_up(hidden=True)  # its taps need the compiled graphs that return layer outputs
     return DFlashDrafter(model, target, want_q=spec.acceptance == "rejection")

@@ -132,3 +132,15 @@ def test_prefill_with_hidden_reports_what_it_computed(engine):
     logits2, hidden2, start2 = engine.prefill_with_hidden(longer, (FINAL,))
     assert start2 == len(prompt) and hidden2[FINAL].shape[0] == 3
     assert torch.allclose(engine.probs(logits2, Sampling(temperature=1.0)).sum(), torch.tensor(1.0))
+
+
+def test_compile_without_a_working_compiler_is_one_clear_error(tiny_ggufs, tmp_path, monkeypatch):
+    """`compile: true` compiles at load (not mid-reply); if inductor cannot build its C++ kernels,
+    the user gets one line saying what to do, not a compiler log."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing cached to fall back on
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (str(tmp_path / "no-such-g++"),))
+    with pytest.raises(BackendError, match=r"compile: true failed .*set compile: false") as err:
+        TorchBackend(tiny_ggufs["Q4_1"], precision="int4", context=64, compile=True)
+    assert "\n" not in str(err.value)

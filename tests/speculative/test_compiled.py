@@ -1,0 +1,76 @@
+"""Strict verification through the compiled decode graphs (`compile: true` on CPU): every
+single-token pass and every verify row goes through torch.compile'd graphs, and the replies must
+still be bit for bit target-only's, for every drafter, depth and sampling mode, with no
+recompilation after the warm-up at load."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.base import Request, run_to_summary
+from backends.native.engine import TorchBackend
+from backends.speculative.backend import SpeculativeBackend
+from backends.speculative.dflash import DFlashDrafter, load_dflash
+from backends.speculative.drafters import DraftModelDrafter, NgramDrafter
+from specchat.verify import fresh
+from tests.native.tiny import make_gguf
+from tests.speculative.conftest import PROMPTS, SAMPLINGS, mtp_drafter, with_lookup
+from tests.speculative.tiny_dflash import make_dflash_checkpoint
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_pair, tmp_path_factory):
+    """(compiled int4 target, eager int4 engine of the same GGUF, a DFlash checkpoint)."""
+    root = tmp_path_factory.mktemp("compiled")
+    gguf = make_gguf(root / "target.gguf", tiny_pair[0], "Q4_1")
+    target = TorchBackend(gguf, precision="int4", threads=2, context=256, compile=True)
+    target.warm_up(hidden=True)  # what make_dflash_drafter does for a profile
+    eager = TorchBackend(gguf, precision="int4", threads=2, context=256)
+    dflash = make_dflash_checkpoint(root / "dflash", tiny_pair[0], block_size=5, target_layer_ids=(0, 2))
+    return target, eager, dflash
+
+
+def make(name, target, eager, dflash, tiny_pair):
+    if name == "ngram":
+        return NgramDrafter(1, 3)
+    if name == "eager-self":  # the same weights on the eager kernels: close, not bitwise, so some rejections
+        return DraftModelDrafter(eager)
+    if name == "mtp+lookup":
+        return with_lookup(mtp_drafter(target, tiny_pair[0]))
+    return DFlashDrafter(load_dflash(dflash, target.model.cfg), target)
+
+
+def test_compiled_target_is_row_exact_and_warm(compiled):
+    target, eager, _ = compiled
+    assert target.model.compiled_rows and target.rows_bitwise and not eager.model.compiled_rows
+
+
+@pytest.mark.parametrize("method", ["ngram", "eager-self", "mtp+lookup", "dflash"])
+@pytest.mark.parametrize("depth", [1, 3, 6])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "t1.2-topk-topp"])
+def test_compiled_speculative_equals_compiled_target_only(compiled, tiny_pair, method, depth, sampling):
+    target, eager, dflash = compiled
+    drafter = make(method, target, eager, dflash, tiny_pair)
+    if method == "dflash":
+        depth = min(depth, 4)
+    spec = SpeculativeBackend(target, drafter, depth, strict=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the warm-up compiled everything needed
+        for messages in PROMPTS:
+            ref = run_to_summary(fresh(target).stream(Request(messages=messages), sampling))
+            out = run_to_summary(fresh(spec).stream(Request(messages=messages), sampling))
+            assert out.token_ids == ref.token_ids and out.stop_reason == ref.stop_reason
+            if method == "eager-self" and len(out.token_ids) > 3:  # its guesses are mostly right
+                assert out.passes < len(out.token_ids)
+
+
+def test_compiled_decoding_stays_close_to_eager(compiled):
+    """Another graph, other rounding: the same model, not the same bits."""
+    target, eager, _ = compiled
+    ids = target.tokenize_chat(PROMPTS[1])
+    rows = {}
+    for name, e in (("compiled", target), ("eager", eager)):
+        fresh(e).forward(ids, 0)
+        rows[name] = torch.cat([e.forward([t], len(ids) + i)[0] for i, t in enumerate(ids[:20])])
+    diff = (rows["compiled"] - rows["eager"]).abs()
+    assert diff.mean() < 0.05 and diff.max() < 0.5
+    assert (rows["compiled"].argmax(-1) == rows["eager"].argmax(-1)).float().mean() > 0.9
