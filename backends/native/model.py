@@ -315,7 +315,7 @@ class Transformer(nn.Module):
         rows, the position and the key count are symbols in the compiled graphs (and so guarded)."""
         tensors = [self.embed, self.norm, self.rope_cos, self.rope_sin, *self.cache.k, *self.cache.v]
         for block in self.blocks:
-            tensors += [t for t in (block.attn_norm, block.mlp_norm, block.q_norm, block.k_norm)]
+            tensors += [block.attn_norm, block.mlp_norm, block.q_norm, block.k_norm]
             for lin in (block.qkv, block.o, block.gate_up, block.down):
                 tensors += [lin.weight, lin.bias, lin.dense, *(lin.int4 or ())[:2]]
         for t in tensors:
