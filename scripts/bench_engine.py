@@ -68,8 +68,10 @@ def run_torch(model_path: str, precision: str, tokens: int, threads: int, repeat
     from backends.base import Request, Sampling, run_to_summary
     from backends.native.engine import TorchBackend
 
+    row = f"torch:{precision}"
+    precision, _, flag = precision.partition("+")  # torch:int4+compile: the compiled decode graphs
     t = time.perf_counter()
-    engine = TorchBackend(model_path, precision=precision, threads=threads, context=1024)
+    engine = TorchBackend(model_path, precision=precision, threads=threads, context=1024, compile=flag == "compile")
     load_s = time.perf_counter() - t
     engine.eos_ids = frozenset()  # forced length
     best, best_mean = 0.0, 0.0
@@ -91,7 +93,7 @@ def run_torch(model_path: str, precision: str, tokens: int, threads: int, repeat
         engine.choose(state, [pos], Sampling())  # the greedy token, as the decode above
         times.append(time.perf_counter() - t)
     wbytes = weight_bytes_per_token(engine.model)
-    return {"row": f"torch:{precision}", "decode_tok_s": best, "mean_tok_s": best_mean, "load_s": load_s,
+    return {"row": row, "decode_tok_s": best, "mean_tok_s": best_mean, "load_s": load_s,
             "peak_rss_mb": peak_rss_mb(),
             "forward_ms": min(times) * 1e3, "weight_mb": wbytes / 1e6, "threads": torch.get_num_threads()}
 
