@@ -159,14 +159,23 @@ def padded_span(end: int, max_len: int) -> int:
     return min(-(-end // ATTENTION_PAD) * ATTENTION_PAD, max_len)
 
 
-def key_mask(ends: Tensor, n_keys: int, dtype: torch.dtype) -> Tensor:
-    """Additive mask [len(ends), 1, 1, n_keys]: row i sees keys [0, ends[i])."""
+def key_mask(ends: Tensor, n_keys: int, dtype: torch.dtype, heads: tuple[int, int] = (1, 1)) -> Tensor:
+    """Additive mask for one-row queries over n_keys keys, row i seeing keys [0, ends[i]):
+    [1, 1, 1, n_keys] for one row; for n rows, [1, Hkv * n * G, 1, n_keys] in the head layout of
+    `_attend_rows`, with heads = (Hkv, G): kv heads, query heads per kv head."""
     visible = torch.arange(n_keys, device=ends.device)[None, :] < ends[:, None]
-    return torch.zeros(visible.shape, dtype=dtype, device=ends.device).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=ends.device).masked_fill_(~visible, float("-inf"))
+    n = len(ends)
+    if n == 1:
+        return mask[:, None, None, :]
+    Hkv, G = heads
+    return mask[None, :, None, :].expand(Hkv, n, G, n_keys).reshape(1, Hkv * n * G, 1, n_keys)
 
 
-def exact_row_groups(start: int, K: int, max_len: int, device: torch.device, dtype: torch.dtype) -> list[tuple]:
-    """Rows start..start+K-1 grouped by their single-token key count: (lo, hi, n_keys, mask)."""
+def exact_row_groups(start: int, K: int, max_len: int, device: torch.device, dtype: torch.dtype,
+                     heads: tuple[int, int] = (1, 1)) -> list[tuple]:
+    """Rows start..start+K-1 grouped by their single-token key count: (lo, hi, n_keys, mask), each
+    mask laid out for `_attend_rows` over heads = (n_kv_heads, query heads per kv head)."""
     ends = list(range(start + 1, start + K + 1))
     groups, lo = [], 0
     while lo < K:
@@ -174,22 +183,28 @@ def exact_row_groups(start: int, K: int, max_len: int, device: torch.device, dty
         hi = lo
         while hi < K and padded_span(ends[hi], max_len) == n_keys:
             hi += 1
-        groups.append((lo, hi, n_keys, key_mask(torch.tensor(ends[lo:hi], device=device), n_keys, dtype)))
+        groups.append((lo, hi, n_keys, key_mask(torch.tensor(ends[lo:hi], device=device), n_keys, dtype, heads)))
         lo = hi
     return groups
 
 
-def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: Tensor, gqa: bool,
-                 batched: bool = False) -> Tensor:
-    """q [H, n, hd] as n one-row queries (a batch of n) over cache[:n_keys]; returns [1, H, n, hd].
-    batched: the batch form even for one row (eager takes a cheaper call for n == 1)."""
-    n = q.shape[1]
-    if n == 1 and not batched:  # a single-token pass: [1, H, 1, hd] already
-        return F.scaled_dot_product_attention(q[None], cache_k[:, :, :n_keys], cache_v[:, :, :n_keys], attn_mask=mask,
-                                              enable_gqa=gqa)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(2), cache_k[:, :, :n_keys].expand(n, -1, -1, -1),
-                                         cache_v[:, :, :n_keys].expand(n, -1, -1, -1), attn_mask=mask, enable_gqa=gqa)
-    return out[:, :, 0].transpose(0, 1).unsqueeze(0)
+def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: Tensor) -> Tensor:
+    """q [H, n, hd] as n one-row queries over cache[:n_keys] (mask from `key_mask`); returns [1, H, n, hd].
+
+    Each row is computed exactly as a single-token pass computes it: the rows go into the head
+    dimension (a one-row query per head, every query head of a row sharing its kv head as in
+    grouped-query attention), so the kernel runs the same one-row attention per head and reads
+    the cache in place. (A batch of rows would need the cache expanded per row, which a compiled
+    graph copies: ~3 ms per row over 1,000 cached tokens for this model size.)"""
+    H, n, hd = q.shape
+    Hkv = cache_k.shape[1]
+    k, v = cache_k[:, :, :n_keys], cache_v[:, :, :n_keys]
+    if n == 1:  # a single-token pass: [1, H, 1, hd] already
+        return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, enable_gqa=H != Hkv)
+    G = H // Hkv
+    rows = q.view(Hkv, G, n, hd).transpose(1, 2).reshape(1, Hkv * n * G, 1, hd)
+    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, enable_gqa=True)
+    return out.view(Hkv, n, G, hd).transpose(1, 2).reshape(1, H, n, hd)
 
 
 class KVCache:
@@ -228,7 +243,7 @@ class Block(nn.Module):
         q = self._queries_to_cache(x, cache_k, cache_v, write, cos, sin, dtype, exact)
         H, Hkv = self.cfg.n_heads, self.cfg.n_kv_heads
         if row_groups is not None:  # each row exactly as a single-token pass computes it
-            parts = [_attend_rows(q[:, lo:hi], cache_k, cache_v, n_keys, m, H != Hkv)
+            parts = [_attend_rows(q[:, lo:hi], cache_k, cache_v, n_keys, m)
                      for lo, hi, n_keys, m in row_groups]
             a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         else:
@@ -239,10 +254,10 @@ class Block(nn.Module):
     def forward_rows(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, pos: int, n_keys: int,
                      cos: Tensor, sin: Tensor, mask: Tensor, dtype: torch.dtype) -> Tensor:
         """`forward` for rows pos..pos+K-1 that share one single-token key count (one row group),
-        always as a batch of one-row queries, so that a graph compiled for K >= 2 rows and one for
-        K = 1 do the same arithmetic per row (see Transformer.use_compiled_rows)."""
+        each row's attention a one-row query (`_attend_rows`), so that a graph compiled for K >= 2
+        rows and one for K = 1 do the same arithmetic per row (see Transformer.use_compiled_rows)."""
         q = self._queries_to_cache(x, cache_k, cache_v, slice(pos, pos + x.shape[0]), cos, sin, dtype, True)
-        a = _attend_rows(q, cache_k, cache_v, n_keys, mask, self.cfg.n_heads != self.cfg.n_kv_heads, batched=True)
+        a = _attend_rows(q, cache_k, cache_v, n_keys, mask)
         return self._output_and_mlp(x, a, dtype, True)
 
     def _queries_to_cache(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, write: slice | Tensor,
@@ -393,7 +408,8 @@ class Transformer(nn.Module):
         else:
             write, span, mask = slice(start_pos, end), end, None
             if K == 1 or exact_rows:
-                row_groups = exact_row_groups(start_pos, K, self.cache.max_len, self.device, self.cache_dtype)
+                row_groups = exact_row_groups(start_pos, K, self.cache.max_len, self.device, self.cache_dtype,
+                                              (self.cfg.n_kv_heads, self.cfg.n_heads // self.cfg.n_kv_heads))
             elif start_pos > 0:  # an additive mask, made once rather than converted by every layer
                 rows = torch.arange(start_pos, end, device=self.device)[:, None]
                 hidden_keys = torch.arange(end, device=self.device)[None, :] > rows
