@@ -31,6 +31,16 @@ PRECISIONS = ("float32", "bfloat16", "float16", "int4")
 ROW_INVARIANT_PRECISIONS = ("bfloat16", "int4")
 
 
+def _is_compiler_error(e: BaseException | None) -> bool:
+    """Whether a failed compilation came from the C++ toolchain (missing or broken g++)."""
+    while e is not None:
+        text = f"{type(e).__name__} {e}".lower()
+        if any(word in text for word in ("cxx", "cppcompile", "c++ compiler", "g++")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def physical_cores() -> int:
     """Distinct (package, core) pairs in /proc/cpuinfo; hyperthreads only slow matmuls down."""
     try:
@@ -113,7 +123,7 @@ class TorchBackend(Backend):
         Positions and row counts are chosen unequal so that dynamo ties no symbols together."""
         if not self.model.compiled_rows:
             return
-        from backends.native.model import ATTENTION_PAD
+        from backends.native.model import padded_span
         from backends.native.weights import progress
 
         layers = (0,) if hidden else ()
@@ -124,13 +134,14 @@ class TorchBackend(Backend):
                 self.forward([0] * 5, 0)
                 self.forward([0], 5, layers)
                 advance(1)
-                if self.model.max_len >= ATTENTION_PAD:  # positions 6..8 share one key count
+                if padded_span(7, self.model.max_len) == padded_span(9, self.model.max_len):  # one row group
                     self.forward([0] * 3, 6, layers, exact_rows=True)
                 advance(1)
-        except Exception as e:  # inductor needs a working C++ compiler, among others
+        except Exception as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise BackendError(f"compile: true failed ({type(e).__name__}: {first}); torch.compile on CPU needs "
-                               "a C++ compiler (g++); install one or set compile: false") from None
+            fix = ("torch.compile on CPU needs a C++ compiler (g++); install one or set compile: false"
+                   if _is_compiler_error(e) else "set compile: false to decode without compiled graphs")
+            raise BackendError(f"compile: true failed ({type(e).__name__}: {first}); {fix}") from None
         finally:
             self.truncate(0)
 

@@ -109,14 +109,14 @@ def test_static_shapes_path_equals_dynamic_path(tiny_dirs):
     assert torch.allclose(a, b, atol=1e-5)
 
 
-@pytest.mark.parametrize("context", [256, 22])
+@pytest.mark.parametrize("context", [256, ATTENTION_PAD + 6])
 def test_exact_rows_across_an_attention_pad_boundary(tiny_ggufs, context):
     """Single-token passes attend over the cache rounded up to ATTENTION_PAD keys; a verify block
     whose rows fall on both sides of a boundary (or of a context capped below it) is computed in
     groups and must still give each row the bits of a single-token pass."""
     engine = TorchBackend(tiny_ggufs["Q4_1"], precision="int4", context=context)
     prefix = [(7 * i) % 50 + 3 for i in range(ATTENTION_PAD - 4)]
-    block = [11, 12, 13, 14, 15, 16, 17, 18, 19]  # key counts 16 and 32 (or the context, 22)
+    block = [11, 12, 13, 14, 15, 16, 17, 18, 19]  # key counts PAD and 2 PAD (or the context, PAD + 6)
     engine.forward(prefix, 0)
     engine.forward([5] * 8, len(prefix))  # stale keys past the rollback point must stay masked out
     engine.truncate(len(prefix))
@@ -189,3 +189,38 @@ def test_prefill_from_zero_equals_a_prefill_in_two_parts(tiny_ggufs):
     first, _ = engine.forward(ids[:9], 0)
     rest, _ = engine.forward(ids[9:], 9)
     assert (torch.cat([first, rest]) - whole).abs().max() < FP32_TOL
+
+
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(3, 3, 64), (2, 1, 32), (1, 4, 64), (2, 7, 16)])
+def test_attention_rows_are_each_a_single_token_pass(kv_heads, group, head_dim):
+    """`_attend_rows` packs a verify block's rows into the head dimension; each row must come out
+    bit for bit as the one-row attention a single-token pass computes at that position."""
+    from backends.native.model import _attend_rows, key_mask, padded_span
+
+    g = torch.Generator().manual_seed(kv_heads * 100 + group)
+    cache = [torch.randn(1, kv_heads, 600, head_dim, generator=g).bfloat16() for _ in range(2)]
+    for start in (0, 37, 250, 480):
+        n_keys = padded_span(start + 1, 600)
+        n = sum(padded_span(e, 600) == n_keys for e in range(start + 1, start + 9))  # rows sharing the count
+        q = (3 * torch.randn(kv_heads * group, n, head_dim, generator=g)).bfloat16()
+        ends = torch.arange(start + 1, start + n + 1)
+        block = _attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, torch.bfloat16, (kv_heads, group)))
+        for i in range(n):
+            one = _attend_rows(q[:, i:i + 1], *cache, n_keys, key_mask(ends[i:i + 1], n_keys, torch.bfloat16))
+            assert torch.equal(block[0, :, i], one[0, :, 0])
+
+
+def test_compiled_graphs_check_the_first_layers_guards_only():
+    """Guards are checked on every call (~2,500 for SmolLM2-135M, ~0.9 ms): those on the second and
+    later layers go, those on the inputs, the first layer and everything else stay."""
+    from types import SimpleNamespace
+
+    from backends.native.model import _first_layer_guards
+
+    names = {"x": True, "mask": True, "n_keys": True, "self.rope_cos": True, "self.cache.k[0]": True,
+             "self.cache.v[12]": False, "self._modules['blocks']": True,
+             "self._modules['blocks']._modules['0']._modules['qkv'].int4[0]": True,
+             "self._modules['blocks']._modules['1']._modules['qkv'].int4[0]": False,
+             "self._modules['blocks']._modules['10'].attn_norm": False,
+             "self._modules['blocks']._modules['29']._modules['o']._forward_hooks": False}
+    assert _first_layer_guards([SimpleNamespace(name=n) for n in names]) == list(names.values())

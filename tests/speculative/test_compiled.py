@@ -13,7 +13,7 @@ from backends.speculative.backend import SpeculativeBackend
 from backends.speculative.dflash import DFlashDrafter, load_dflash
 from backends.speculative.drafters import DraftModelDrafter, NgramDrafter
 from specchat.verify import fresh
-from tests.native.tiny import make_gguf
+from tests.native.tiny import make_gguf, make_hf_checkpoint
 from tests.speculative.conftest import PROMPTS, SAMPLINGS, mtp_drafter, with_lookup
 from tests.speculative.tiny_dflash import make_dflash_checkpoint
 
@@ -74,3 +74,27 @@ def test_compiled_decoding_stays_close_to_eager(compiled):
     diff = (rows["compiled"] - rows["eager"]).abs()
     assert diff.mean() < 0.05 and diff.max() < 0.5
     assert (rows["compiled"].argmax(-1) == rows["eager"].argmax(-1)).float().mean() > 0.9
+
+
+def test_compiled_models_in_one_process_each_run_their_own_weights(compiled, tiny_pair, tmp_path):
+    """The compiled graphs belong to the code, not to a model, and are guarded on the first layer
+    only (see model._first_layer_guards): a second model of the same shapes, and one of another
+    shape, decoded in turns with the first, must each still run their own weights."""
+    target, eager, _ = compiled
+    same_shape = make_gguf(tmp_path / "same.gguf", tiny_pair[1], "Q4_1")
+    other_shape = make_hf_checkpoint(tmp_path / "qwen3", "qwen3", seed=5)  # q/k norms, another head size
+    pairs = [(target, eager)] + [(TorchBackend(p, precision="int4", threads=2, context=256, compile=True),
+                                  TorchBackend(p, precision="int4", threads=2, context=256))
+                                 for p in (other_shape, same_shape)]  # newest graphs are tried first
+    ids = target.tokenize_chat(PROMPTS[0])
+    for c, e in pairs:
+        fresh(c).forward(ids, 0)
+        fresh(e).forward(ids, 0)
+    for i, t in enumerate(ids[:8]):  # one token of each model in turn
+        rows = [(c.forward([t], len(ids) + i)[0], e.forward([t], len(ids) + i)[0]) for c, e in pairs]
+        for j, (compiled_row, eager_row) in enumerate(rows):
+            own = (compiled_row - eager_row).abs().max()
+            assert own < 0.5
+            for k, (_, other_eager) in enumerate(rows):
+                if k != j and other_eager.shape == compiled_row.shape:
+                    assert (compiled_row - other_eager).abs().max() > 2 * own
