@@ -85,7 +85,7 @@ def test_compiled_models_in_one_process_each_run_their_own_weights(compiled, tin
     other_shape = make_hf_checkpoint(tmp_path / "qwen3", "qwen3", seed=5)  # q/k norms, another head size
     pairs = [(target, eager)] + [(TorchBackend(p, precision="int4", threads=2, context=256, compile=True),
                                   TorchBackend(p, precision="int4", threads=2, context=256))
-                                 for p in (other_shape, same_shape)]  # newest graphs are tried first
+                                 for p in (other_shape, same_shape)]
     ids = target.tokenize_chat(PROMPTS[0])
     for c, e in pairs:
         fresh(c).forward(ids, 0)
