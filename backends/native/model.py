@@ -165,16 +165,18 @@ def padded_span(end: int, max_len: int) -> int:
 
 
 def key_mask(ends: Tensor, n_keys: int, dtype: torch.dtype, heads: tuple[int, int] = (1, 1)) -> Tensor:
-    """Additive mask for one-row queries over n_keys keys, row i seeing keys [0, ends[i]):
-    [1, 1, 1, n_keys] for one row; for n rows, [1, Hkv * n * G, 1, n_keys] in the head layout of
-    `_attend_rows`, with heads = (Hkv, G): kv heads, query heads per kv head."""
+    """Additive mask for one-row queries over n_keys keys, row i seeing keys [0, ends[i]), laid out
+    for `_attend_rows` over heads = (Hkv, G): kv heads, query heads per kv head. One row:
+    [1, 1, 1, n_keys]; n rows: [1, 1, n * G, n_keys] when G > 1, [1, Hkv * n, 1, n_keys] when G == 1."""
     visible = torch.arange(n_keys, device=ends.device)[None, :] < ends[:, None]
     mask = torch.zeros(visible.shape, dtype=dtype, device=ends.device).masked_fill_(~visible, float("-inf"))
     n = len(ends)
     if n == 1:
         return mask[:, None, None, :]
     Hkv, G = heads
-    return mask[None, :, None, :].expand(Hkv, n, G, n_keys).reshape(1, Hkv * n * G, 1, n_keys)
+    if G > 1:
+        return mask[:, None, :].expand(n, G, n_keys).reshape(1, 1, n * G, n_keys)
+    return mask[None, :, None, :].expand(Hkv, n, 1, n_keys).reshape(1, Hkv * n, 1, n_keys)
 
 
 def exact_row_groups(start: int, K: int, max_len: int, device: torch.device, dtype: torch.dtype,
@@ -194,21 +196,26 @@ def exact_row_groups(start: int, K: int, max_len: int, device: torch.device, dty
 
 
 def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: Tensor) -> Tensor:
-    """q [H, n, hd] as n one-row queries over cache[:n_keys] (mask from `key_mask`); returns [1, H, n, hd].
+    """q [H, n, hd] as n rows over cache[:n_keys] (mask from `key_mask`); returns [1, H, n, hd].
 
-    Each row is computed exactly as a single-token pass computes it: the rows go into the head
-    dimension (a one-row query per head, every query head of a row sharing its kv head as in
-    grouped-query attention), so the kernel runs the same one-row attention per head and reads
-    the cache in place. (A batch of rows would need the cache expanded per row, which a compiled
-    graph copies: ~3 ms per row over 1,000 cached tokens for this model size.)"""
+    Each row is computed exactly as a single-token pass computes it, reading the cache in place.
+    With grouped-query attention (G = H / Hkv > 1 query heads per kv head) a single-token pass is
+    already a G-row query per kv head; a block's rows join those as more query rows of the same
+    kv head ([1, Hkv, n * G, hd]): one attention call over the keys for all of them (over 768
+    keys, 3 rows: 55 instead of 118 us a layer as one-row queries), and CPU attention gives every
+    query row of a multi-row call the same bits whatever the number of rows (tested). A one-row
+    query takes another kernel path with other bits, so with G == 1 each row stays a one-row
+    query: the rows go into the head dimension, every one sharing its kv head. (A batch of rows
+    would need the cache expanded per row, which a compiled graph copies.)"""
     H, n, hd = q.shape
     Hkv = cache_k.shape[1]
-    k, v = cache_k[:, :, :n_keys], cache_v[:, :, :n_keys]
-    if n == 1:  # a single-token pass: [1, H, 1, hd] already
-        return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, enable_gqa=H != Hkv)
     G = H // Hkv
-    rows = q.view(Hkv, G, n, hd).transpose(1, 2).reshape(1, Hkv * n * G, 1, hd)
-    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, enable_gqa=True)
+    k, v = cache_k[:, :, :n_keys], cache_v[:, :, :n_keys]
+    if G == 1:
+        out = F.scaled_dot_product_attention(q.reshape(1, H * n, 1, hd), k, v, attn_mask=mask, enable_gqa=n > 1)
+        return out.view(1, H, n, hd)
+    rows = q.view(Hkv, G, n, hd).transpose(1, 2).reshape(1, Hkv, n * G, hd)
+    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
     return out.view(Hkv, n, G, hd).transpose(1, 2).reshape(1, H, n, hd)
 
 

@@ -191,23 +191,26 @@ def test_prefill_from_zero_equals_a_prefill_in_two_parts(tiny_ggufs):
     assert (torch.cat([first, rest]) - whole).abs().max() < FP32_TOL
 
 
-@pytest.mark.parametrize("kv_heads,group,head_dim", [(3, 3, 64), (2, 1, 32), (1, 4, 64), (2, 7, 16)])
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(3, 3, 64), (2, 1, 32), (1, 4, 64), (2, 7, 16), (4, 2, 128)])
 def test_attention_rows_are_each_a_single_token_pass(kv_heads, group, head_dim):
-    """`_attend_rows` packs a verify block's rows into the head dimension; each row must come out
-    bit for bit as the one-row attention a single-token pass computes at that position."""
+    """`_attend_rows` computes a verify block's rows in one attention call; each row must come out
+    bit for bit as the attention a single-token pass computes at that position (blocks of the
+    sizes `padded_span` groups, and longer ones over several of the kernel's key blocks)."""
     from backends.native.model import _attend_rows, key_mask, padded_span
 
     g = torch.Generator().manual_seed(kv_heads * 100 + group)
-    cache = [torch.randn(1, kv_heads, 600, head_dim, generator=g).bfloat16() for _ in range(2)]
+    cache = [torch.randn(1, kv_heads, 1100, head_dim, generator=g).bfloat16() for _ in range(2)]
+    blocks = []
     for start in (0, 37, 250, 480):
-        n_keys = padded_span(start + 1, 600)
-        n = sum(padded_span(e, 600) == n_keys for e in range(start + 1, start + 9))  # rows sharing the count
+        n_keys = padded_span(start + 1, 1100)
+        blocks.append((start, n_keys, sum(padded_span(e, 1100) == n_keys for e in range(start + 1, start + 9))))
+    for start, n_keys, n in blocks + [(560, 576, 16), (1076, 1088, 12)]:
         q = (3 * torch.randn(kv_heads * group, n, head_dim, generator=g)).bfloat16()
         ends = torch.arange(start + 1, start + n + 1)
         block = _attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, torch.bfloat16, (kv_heads, group)))
         for i in range(n):
             one = _attend_rows(q[:, i:i + 1], *cache, n_keys, key_mask(ends[i:i + 1], n_keys, torch.bfloat16))
-            assert torch.equal(block[0, :, i], one[0, :, 0])
+            assert torch.equal(block[0, :, i], one[0, :, 0]), (n_keys, n, i)
 
 
 def test_compiled_graphs_check_the_first_layers_guards_only():
