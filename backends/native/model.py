@@ -165,7 +165,7 @@ def padded_span(end: int, max_len: int) -> int:
 
 
 def key_mask(ends: Tensor, n_keys: int, dtype: torch.dtype, heads: tuple[int, int] = (1, 1)) -> Tensor:
-    """Additive mask for one-row queries over n_keys keys, row i seeing keys [0, ends[i]), laid out
+    """Additive mask for rows over n_keys keys, row i seeing keys [0, ends[i]), laid out
     for `_attend_rows` over heads = (Hkv, G): kv heads, query heads per kv head. One row:
     [1, 1, 1, n_keys]; n rows: [1, 1, n * G, n_keys] when G > 1, [1, Hkv * n, 1, n_keys] when G == 1."""
     visible = torch.arange(n_keys, device=ends.device)[None, :] < ends[:, None]
@@ -202,8 +202,9 @@ def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask:
     With grouped-query attention (G = H / Hkv > 1 query heads per kv head) a single-token pass is
     already a G-row query per kv head; a block's rows join those as more query rows of the same
     kv head ([1, Hkv, n * G, hd]): one attention call over the keys for all of them (over 768
-    keys, 3 rows: 55 instead of 118 us a layer as one-row queries), and CPU attention gives every
-    query row of a multi-row call the same bits whatever the number of rows (tested). A one-row
+    keys, 3 rows: 55 instead of 118 us a layer as one-row queries), and CPU attention in bfloat16
+    (the row-invariant precisions' cache) gives every query row of a multi-row call the same bits
+    whatever the number of rows (tested; in float32 not always, like its matmuls). A one-row
     query takes another kernel path with other bits, so with G == 1 each row stays a one-row
     query: the rows go into the head dimension, every one sharing its kv head. (A batch of rows
     would need the cache expanded per row, which a compiled graph copies.)"""
