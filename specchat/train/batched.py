@@ -2,11 +2,12 @@
 
 The torch engine decodes one sequence at a time (about 45 tok/s for SmolLM2-135M on 2 cores);
 distillation data wants hundreds of thousands of tokens. transformers' model of the same
-checkpoint (a GGUF dequantized to float32) decodes a left-padded batch in one pass per step:
-140 tok/s at batch 48 here, about 2x the engine and 7x transformers one sequence at a time. Tokens are chosen by the engine's own
-position-keyed sampler, and the stored top-k log-probabilities are this model's.
+checkpoint (a GGUF dequantized, then run in bfloat16 by default) decodes a left-padded batch in one
+pass per step: 413 tok/s at batch 48 here (float32: 231 tok/s in the same A/B), several times the
+engine one sequence at a time. Tokens are chosen by the engine's own position-keyed sampler, and
+the stored top-k log-probabilities are this model's.
 
-These replies are the float32 model's, not the engine's int4 arithmetic: greedy replies can part
+These replies are this model's, not the engine's int4 arithmetic: greedy replies can part
 from the engine's at a near-tie. A drafter only needs replies typical of the target; the
 training steps recompute the target's hidden states and labels with the engine.
 """

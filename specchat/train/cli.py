@@ -5,6 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from specchat.train import BATCH_DTYPES
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr)
 
@@ -18,7 +21,7 @@ def cmd_data(args) -> int:
         profile = profile.model_copy(update={"threads": args.threads})
     make_data(profile, args.prompts, Path(args.out), max_tokens=args.max_tokens, limit=args.limit,
               top_k=args.top_k, temperature=args.temperature, seed=args.seed, instances=args.instances,
-              variants=args.variants, batch=args.batch, say=_say)
+              variants=args.variants, batch=args.batch, dtype=args.dtype, say=_say)
     return 0
 
 
@@ -30,7 +33,7 @@ def cmd_prompts(args) -> int:
     if args.threads is not None:
         profile = profile.model_copy(update={"threads": args.threads})
     make_prompts(profile, Path(args.out), args.count, temperature=args.temperature, top_p=args.top_p,
-                 max_tokens=args.max_tokens, batch=args.batch, seed=args.seed, say=_say)
+                 max_tokens=args.max_tokens, batch=args.batch, seed=args.seed, dtype=args.dtype, say=_say)
     return 0
 
 
@@ -103,7 +106,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--max-tokens", type=int, default=96, help="a prompt not finished by then is dropped")
-    p.add_argument("--batch", type=int, default=48, help="prompts written at once (transformers' float32 model)")
+    p.add_argument("--batch", type=int, default=48, help="prompts written at once (transformers' model)")
+    p.add_argument("--dtype", choices=BATCH_DTYPES, default="bfloat16",
+                   help="precision of the batched model (default bfloat16: ~1.8x float32's rate)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="override the profile's threads")
     p.set_defaults(func=cmd_prompts)
@@ -124,8 +129,10 @@ def add_train_parser(sub) -> None:
                    help="also derived prompts per self-instruct task: summarise, translate, answer from a "
                         "document, rewrite, explain, key points, continue")
     p.add_argument("--batch", type=int, default=1,
-                   help="N > 1: decode N replies at once with transformers' float32 model of the target "
-                        "(about 2x the engine's rate at 48; replies may part from the engine's at near-ties)")
+                   help="N > 1: decode N replies at once with transformers' model of the target "
+                        "(48: ~400 tok/s in bfloat16 on 2 cores; replies may part from the engine's at near-ties)")
+    p.add_argument("--dtype", choices=BATCH_DTYPES, default="bfloat16",
+                   help="precision of the batched model (with --batch; default bfloat16: ~1.8x float32's rate)")
     p.add_argument("--threads", type=int, help="override the profile's threads (1 is fastest on a busy machine)")
     p.set_defaults(func=cmd_data)
 

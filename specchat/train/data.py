@@ -23,6 +23,7 @@ import torch
 
 from backends.base import BackendError, Sampling
 from specchat.prompts import PromptItem, load_prompts
+from specchat.train import BATCH_DTYPES
 from specchat.train.progress import bar
 from specchat.train.variants import derived_prompts, self_instruct_tasks
 
@@ -153,9 +154,10 @@ def read_manifest(out: Path) -> list[dict]:
 
 def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128, limit: int | None = None,
               top_k: int = 32, temperature: float = 0.0, seed: int = 0, instances: bool = False,
-              shard_size: int = 32, variants: bool = False, batch: int = 1, say=print) -> dict:
-    """batch > 1: replies come from transformers' float32 model of the target in batches of that
-    size (specchat/train/batched.py), about 2x the engine's one-at-a-time decoding."""
+              shard_size: int = 32, variants: bool = False, batch: int = 1, dtype: str = "bfloat16",
+              say=print) -> dict:
+    """batch > 1: replies come from transformers' model of the target (in `dtype`) in batches of
+    that size (specchat/train/batched.py), several times the engine's one-at-a-time decoding."""
 
     if profile.backend != "torch":
         raise BackendError(f"profile '{profile.name}' uses backend '{profile.backend}'; training data needs "
@@ -167,7 +169,7 @@ def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128
     info = {"target": profile.name, "model": profile.model, "max_tokens": max_tokens, "top_k": top_k,
             "temperature": temperature, "seed": seed, "prompt_files": [str(f) for f in prompt_files],
             "instances": instances, "variants": variants, "limit": limit, "batch": batch,
-            "generator": "engine" if batch <= 1 else "transformers float32, batched"}
+            "generator": "engine" if batch <= 1 else f"transformers {dtype}, batched"}
     info_path = out / INFO
     if info_path.exists():
         old = json.loads(info_path.read_text())
@@ -187,7 +189,7 @@ def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128
     started = time.perf_counter()
     run = _answer_batched if batch > 1 else _answer_one_by_one
     try:
-        n_tokens = run(profile, todo, sampling, top_k, writer, len(prompts), batch)
+        n_tokens = run(profile, todo, sampling, top_k, writer, len(prompts), batch, dtype)
     finally:
         writer.flush()
     say(f"{len(todo)} replies, {n_tokens} tokens in {time.perf_counter() - started:.0f}s -> {out}")
@@ -195,7 +197,7 @@ def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128
 
 
 def _answer_one_by_one(profile, todo: list[PromptItem], sampling: Sampling, top_k: int, writer: ShardWriter,
-                       total: int, batch: int) -> int:
+                       total: int, batch: int, dtype: str) -> int:
     from backends.native.engine import TorchBackend
     from specchat.loading import messages_for
 
@@ -218,8 +220,11 @@ def _answer_one_by_one(profile, todo: list[PromptItem], sampling: Sampling, top_
     return n_tokens
 
 
-def batched_model(profile):
-    """transformers' float32 model of the profile's target and its chat tokenizer, for batched decoding."""
+def batched_model(profile, dtype: str = "bfloat16"):
+    """transformers' model of the profile's target in `dtype` and its chat tokenizer, for batched decoding.
+
+    bfloat16 decodes a batch about 1.8x faster than float32 on CPUs with bfloat16 matrix units
+    (413 against 231 tok/s, 48 replies here); a local GGUF is dequantized first either way."""
     from backends.hf_reference import load_hf_model
     from backends.native.engine import physical_cores
     from backends.native.tokenizer import ChatTokenizer
@@ -228,16 +233,18 @@ def batched_model(profile):
     ref = resolve_model(profile.model, profile.base_dir)
     if ref.kind == "hub":
         raise BackendError("batched decoding needs a local model file or directory (the profile names a hub id)")
+    if dtype not in BATCH_DTYPES:
+        raise BackendError(f"--dtype {dtype}: batched decoding runs in {' or '.join(BATCH_DTYPES)}")
     torch.set_num_threads(profile.threads or physical_cores())
-    return load_hf_model(ref.path), ChatTokenizer(ref.path)
+    return load_hf_model(ref.path, getattr(torch, dtype)), ChatTokenizer(ref.path)
 
 
 def _answer_batched(profile, todo: list[PromptItem], sampling: Sampling, top_k: int, writer: ShardWriter,
-                    total: int, batch: int) -> int:
+                    total: int, batch: int, dtype: str) -> int:
     from specchat.loading import messages_for
     from specchat.train.batched import generate_batch
 
-    model, tokenizer = batched_model(profile)
+    model, tokenizer = batched_model(profile, dtype)
     eos = tokenizer.eos_ids
     prompts = []
     for item in todo:

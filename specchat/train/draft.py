@@ -328,8 +328,9 @@ def data_commands(profile, data: list[Path]) -> list[str]:
             gen += f" --{flag}" if info.get(flag) else ""
         if info.get("limit"):
             gen += f" --limit {info['limit']}"
-        if str(info.get("generator", "")).startswith("transformers"):
-            gen += f" --batch {info.get('batch') or 48}"
+        generator = str(info.get("generator", ""))
+        if generator.startswith("transformers"):  # "transformers DTYPE, batched"
+            gen += f" --batch {info.get('batch') or 48} --dtype {generator.split()[1].rstrip(',')}"
         commands.append(gen)
     return commands
 

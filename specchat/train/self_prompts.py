@@ -39,7 +39,8 @@ def _existing(out: Path) -> tuple[list[dict], int]:
 
 
 def make_prompts(profile, out: Path, count: int, temperature: float = 1.0, top_p: float = 0.95,
-                 max_tokens: int = 96, batch: int = 48, seed: int = 0, say=print) -> dict:
+                 max_tokens: int = 96, batch: int = 48, seed: int = 0, dtype: str = "bfloat16",
+                 say=print) -> dict:
     """Append self-written prompts to `out` (jsonl, `{"id", "prompt", "attempt"}`) until it holds `count`."""
     from specchat.train.batched import generate_batch
     from specchat.train.data import batched_model
@@ -51,7 +52,7 @@ def make_prompts(profile, out: Path, count: int, temperature: float = 1.0, top_p
     if len(records) >= count:
         say(f"{out}: already holds {len(records)} prompts")
         return {"prompts": len(records), "attempts": attempt}
-    model, tokenizer = batched_model(profile)
+    model, tokenizer = batched_model(profile, dtype)
     prefix = user_turn_prefix(tokenizer, profile.system)
     eos = tokenizer.eos_ids
     sampling = Sampling(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)

@@ -95,15 +95,22 @@ def _replies(out: Path) -> dict[str, list[int]]:
 
 def test_batched_data_gives_the_same_greedy_replies(tiny, profile, tmp_path):
     """--batch decodes left-padded prompts together with transformers' model of the same weights:
-    the same greedy replies as the engine's one-by-one decoding (float32 target)."""
+    the same greedy replies as the engine's one-by-one decoding (float32 target) when it runs in
+    float32 too; in bfloat16 (the default) every prompt still gets its reply."""
     make_data(tiny, profile, tmp_path / "one")
     args = ["train", "data", "--target", profile, "--prompts", str(tiny[2]), "--out", str(tmp_path / "batched"),
-            "--max-tokens", "12", "--top-k", "8", "--batch", "4"]
+            "--max-tokens", "12", "--top-k", "8", "--batch", "4", "--dtype", "float32"]
     assert main(args) == 0
     one, batched = _replies(tmp_path / "one"), _replies(tmp_path / "batched")
     assert batched == one
     info = json.loads((tmp_path / "batched" / "info.json").read_text())
-    assert info["generator"].startswith("transformers")
+    assert info["generator"] == "transformers float32, batched"
+    assert main(args[:-1] + ["bfloat16"]) == 2  # another precision is another kind of reply: not in one directory
+    args_bf16 = args[:-2]
+    args_bf16[args_bf16.index("--out") + 1] = str(tmp_path / "bf16")
+    assert main(args_bf16) == 0
+    assert json.loads((tmp_path / "bf16" / "info.json").read_text())["generator"] == "transformers bfloat16, batched"
+    assert _replies(tmp_path / "bf16").keys() == one.keys()
     # resuming with the other generator would mix two kinds of reply in one directory
     args[args.index("--out") + 1] = str(tmp_path / "one")
     assert main(args) == 2
@@ -238,5 +245,5 @@ def test_retrain_command_remakes_every_data_directory(tmp_path):
     steps = retrain_command(profile, [a, b], tmp_path / "out", DraftShape(), TrainConfig()).split(" && \\\n  ")
     assert steps[0].endswith(f"--out {a} --max-tokens 256 --top-k 32 --limit 224")
     assert "--prompts x.jsonl y.jsonl" in steps[1] and steps[1].endswith(
-        f"--out {b} --max-tokens 128 --top-k 16 --temperature 0.7 --seed 3 --variants --batch 32")
+        f"--out {b} --max-tokens 128 --top-k 16 --temperature 0.7 --seed 3 --variants --batch 32 --dtype float32")
     assert steps[2].startswith(f"specchat train draft --data {a} {b} ")
