@@ -4,7 +4,8 @@ More depth is not always more speed: each extra drafted token must be accepted o
 pay for drafting and verifying it. The ladder loads the model once, and for every prompt runs
 target-only and then each depth in turn (so a slow spell of a shared machine hits every rung
 alike), and reports per depth: mean accepted tokens per pass, acceptance by position, decode
-tok/s and speed-up, with the best depth and where the plateau starts.
+tok/s, speed-up and what a drafted pass costs in target-only steps, with the best depth and where
+the plateau starts.
 """
 from __future__ import annotations
 
@@ -44,6 +45,12 @@ class Ladder:
 
     def speedup(self, res: ProfileResult) -> float:
         return speedup(self.results, res) or 0.0
+
+    def pass_cost(self, res: ProfileResult) -> float:
+        """Time of one pass in target-only decoding steps: drafting plus verifying the block.
+        A depth pays when its passes yield more tokens than this."""
+        sp = self.speedup(res)
+        return res.tokens_per_pass() / sp if sp else 0.0
 
     def best_depth(self) -> int:
         return max(self.rungs, key=lambda dr: self.speedup(dr[1]))[0]
@@ -105,7 +112,8 @@ def to_json(ladder: Ladder) -> dict:
         "reference": {"label": ladder.reference.label, "decode_tok_s": ladder.reference.decode_tok_s(),
                       "prompts": len(ladder.reference.runs)},
         "rungs": [{"depth": d, "mean_accepted": r.mean_accepted(), "acceptance_by_position": r.acceptance_by_position(),
-                   "decode_tok_s": r.decode_tok_s(), "speedup": ladder.speedup(r), "tokens": r.tokens()}
+                   "decode_tok_s": r.decode_tok_s(), "speedup": ladder.speedup(r),
+                   "tokens_per_pass": r.tokens_per_pass(), "pass_cost": ladder.pass_cost(r), "tokens": r.tokens()}
                   for d, r in ladder.rungs],
         "best_depth": ladder.best_depth(), "plateau_depth": ladder.plateau_depth(),
     }
@@ -118,14 +126,14 @@ def render(ladder: Ladder):
     from rich.text import Text
 
     table = Table(title=f"specchat ladder · {ladder.rungs[0][1].profile.name.rsplit('@', 1)[0]}")
-    for col in ("depth", "accepted/pass", "acceptance by position", "decode tok/s", "speed-up"):
+    for col in ("depth", "accepted/pass", "acceptance by position", "pass cost", "decode tok/s", "speed-up"):
         table.add_column(col, justify="left" if col == "acceptance by position" else "right")
-    table.add_row("0 (target-only)", "1.00", "", f"{ladder.reference.decode_tok_s():.1f}", "1.00x")
+    table.add_row("0 (target-only)", "1.00", "", "1.00", f"{ladder.reference.decode_tok_s():.1f}", "1.00x")
     best = ladder.best_depth()
     for d, r in ladder.rungs:
         pos = " ".join(f"{a:.2f}" for a in r.acceptance_by_position())
         sp = f"{ladder.speedup(r):.2f}x"
-        table.add_row(str(d), f"{r.mean_accepted():.2f}", pos, f"{r.decode_tok_s():.1f}",
+        table.add_row(str(d), f"{r.mean_accepted():.2f}", pos, f"{ladder.pass_cost(r):.2f}", f"{r.decode_tok_s():.1f}",
                       f"[bold green]{sp}[/]" if d == best else sp)
     width = 40
     top_acc = max(r.mean_accepted() for _, r in ladder.rungs) or 1.0
@@ -146,6 +154,13 @@ def render(ladder: Ladder):
     verdict = Text(f"best depth {best} ({ladder.speedup(dict(ladder.rungs)[best]):.2f}x target-only); ")
     verdict.append(f"plateau from depth {plateau}: deeper drafts add < {PLATEAU_GAIN} accepted tokens per pass"
                    if plateau else "no plateau within these depths")
+    d, r = ladder.rungs[0]
+    verdict.append(f"\npass cost: target-only steps per pass (drafting plus verifying); a depth pays when its passes "
+                   f"yield more tokens than that. At depth {d} a pass costs {ladder.pass_cost(r):.2f} steps")
+    drafted_every_pass = abs(r.tokens_per_pass() - r.mean_accepted()) < 0.02
+    if d == 1 and drafted_every_pass and r.acceptance_by_position() and ladder.pass_cost(r) > 1:
+        verdict.append(f", so the drafted token must be accepted more than {ladder.pass_cost(r) - 1:.0%} of the time "
+                       f"to pay (measured: {r.acceptance_by_position()[0]:.0%})")
     return Group(table, chart, verdict)
 
 

@@ -28,6 +28,9 @@ def test_ladder_measures_every_depth_against_target_only(tiny_mtp_profile, tmp_p
     for r in out["rungs"]:
         assert r["tokens"] == 24 and r["speedup"] > 0 and 1.0 <= r["mean_accepted"] <= r["depth"] + 1
         assert len(r["acceptance_by_position"]) == r["depth"]
+        # the MTP head drafts on every pass, so a pass yields its accepted tokens and costs that over the speed-up
+        assert r["tokens_per_pass"] == pytest.approx(r["mean_accepted"], abs=0.5)
+        assert r["pass_cost"] == pytest.approx(r["tokens_per_pass"] / r["speedup"])
     assert out["best_depth"] in (1, 2, 3) and out["reference"]["prompts"] == 2
     svg = plot.read_text()
     assert svg.startswith("<svg") and svg.count("<polyline") == 2
@@ -40,6 +43,7 @@ def test_ladder_renders_a_table_and_chart(tiny_mtp_profile, tmp_path, capsys):
                      "--max-tokens", "8"]) == 0
     text = capsys.readouterr().out
     assert "specchat ladder" in text and "speed-up vs target-only" in text and "best depth" in text
+    assert "pass cost" in text and "a pass costs" in text
 
 
 def test_bad_input_is_one_line(tiny_mtp_profile, capsys):
