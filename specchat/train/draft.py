@@ -314,12 +314,19 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def data_commands(profile, data: list[Path]) -> list[str]:
     """The `specchat train data` commands that make each data directory again, from its info.json
-    (a directory without one is left out)."""
+    (a directory without one is left out), after the `specchat train prompts` command of any
+    prompt file the target wrote itself."""
+    from specchat.train.self_prompts import remake_command
+
     commands = []
     for d in data:
         if not (d / INFO).exists():
             continue
         info = json.loads((d / INFO).read_text())
+        for f in info["prompt_files"]:  # prompts the target wrote itself come first
+            prompts = remake_command(Path(f))
+            if prompts and prompts not in commands:
+                commands.append(prompts)
         gen = (f"specchat train data --target {info.get('target', profile.name)} --prompts "
                f"{' '.join(info['prompt_files'])} --out {d} --max-tokens {info['max_tokens']} --top-k {info['top_k']}")
         if info.get("temperature"):

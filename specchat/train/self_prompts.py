@@ -30,6 +30,25 @@ def user_turn_prefix(tokenizer, system: str | None) -> list[int]:
     return tokenizer.hf(text[:text.index(_SENTINEL)], add_special_tokens=False)["input_ids"]
 
 
+def settings_path(prompts_file: Path) -> Path:
+    """Where `train prompts` records how it wrote a prompt file (read back for re-train commands)."""
+    return prompts_file.with_name(prompts_file.stem + ".info.json")
+
+
+def remake_command(prompts_file: Path) -> str | None:
+    """The `specchat train prompts` command that writes `prompts_file` again, or None when it was
+    not written by `train prompts`."""
+    info_path = settings_path(prompts_file)
+    if not info_path.exists():
+        return None
+    info = json.loads(info_path.read_text())
+    count = sum(1 for line in prompts_file.read_text(encoding="utf-8").splitlines() if line.strip()) \
+        if prompts_file.exists() else info["count"]
+    return (f"specchat train prompts --target {info['target']} --out {prompts_file} --count {count} "
+            f"--max-tokens {info['max_tokens']} --temperature {info['temperature']} --top-p {info['top_p']} "
+            f"--batch {info['batch']} --seed {info['seed']} --dtype {info['dtype']}")
+
+
 def _existing(out: Path) -> tuple[list[dict], int]:
     """Records already written (a run resumes) and the next seed offset to use."""
     if not out.exists():
@@ -58,6 +77,9 @@ def make_prompts(profile, out: Path, count: int, temperature: float = 1.0, top_p
     sampling = Sampling(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     give_up = attempt + 20 * count  # a model that never closes the user turn must not loop forever
     out.parent.mkdir(parents=True, exist_ok=True)
+    settings_path(out).write_text(json.dumps({
+        "target": profile.name, "count": count, "max_tokens": max_tokens, "temperature": temperature,
+        "top_p": top_p, "batch": batch, "seed": seed, "dtype": dtype}, indent=1))
     started, unfinished, repeated = time.perf_counter(), 0, 0
     with out.open("a", encoding="utf-8") as f, bar("prompts", count, len(records)) as update:
         while len(records) < count and attempt < give_up:

@@ -218,6 +218,12 @@ def test_the_default_model_writes_its_own_training_prompts(default_gguf, tmp_pat
     assert main(args + ["--count", "3"]) == 0
     again = [json.loads(line) for line in out.read_text().splitlines()]
     assert again[:2] == records and len(again) == 3 and again[2]["attempt"] > records[-1]["attempt"]
+    # how it was written is kept beside it, so a drafter's re-train command can write it again
+    from specchat.train.self_prompts import remake_command
+
+    assert remake_command(out) == (f"specchat train prompts --target smollm2 --out {out} --count 3 --max-tokens 64 "
+                                   "--temperature 1.0 --top-p 0.95 --batch 4 --seed 0 --dtype bfloat16")
+    assert remake_command(tmp_path / "other.jsonl") is None
 
 
 def test_prompt_prefix_ends_where_the_users_text_starts(default_gguf):
@@ -247,3 +253,15 @@ def test_retrain_command_remakes_every_data_directory(tmp_path):
     assert "--prompts x.jsonl y.jsonl" in steps[1] and steps[1].endswith(
         f"--out {b} --max-tokens 128 --top-k 16 --temperature 0.7 --seed 3 --variants --batch 32 --dtype float32")
     assert steps[2].startswith(f"specchat train draft --data {a} {b} ")
+    # prompts the target wrote itself (`train prompts` keeps its settings beside them) are written first
+    own = tmp_path / "own.jsonl"
+    own.write_text('{"id": "self-0-0", "prompt": "Tell me about tides.", "attempt": 0}\n')
+    (tmp_path / "own.info.json").write_text(json.dumps({"target": "smollm2", "count": 1, "max_tokens": 64,
+                                                        "temperature": 1.0, "top_p": 0.95, "batch": 48, "seed": 0,
+                                                        "dtype": "bfloat16"}))
+    info = json.loads((a / "info.json").read_text()) | {"prompt_files": [str(own)]}
+    (a / "info.json").write_text(json.dumps(info))
+    steps = retrain_command(profile, [a], tmp_path / "out", DraftShape(), TrainConfig()).split(" && \\\n  ")
+    assert steps[0] == (f"specchat train prompts --target smollm2 --out {own} --count 1 --max-tokens 64 "
+                        "--temperature 1.0 --top-p 0.95 --batch 48 --seed 0 --dtype bfloat16")
+    assert steps[1].startswith(f"specchat train data --target smollm2 --prompts {own} --out {a} ")
