@@ -154,6 +154,8 @@ class Linear(nn.Module):
 # 128 within noise of each other per single-token pass)
 ATTENTION_PAD = 64
 
+_Q_BLOCK = 32  # CPU flash attention's query block (its larger ones are multiples), see _attend_rows
+
 
 def padded_span(end: int, max_len: int) -> int:
     """How many cache positions a single-token pass at position end - 1 attends over (the rest masked).
@@ -216,7 +218,15 @@ def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask:
         out = F.scaled_dot_product_attention(q.reshape(1, H * n, 1, hd), k, v, attn_mask=mask, enable_gqa=n > 1)
         return out.view(1, H, n, hd)
     rows = q.view(Hkv, G, n, hd).transpose(1, 2).reshape(1, Hkv, n * G, hd)
-    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
+    if n > 1 and n * G % _Q_BLOCK == 1:
+        # CPU flash attention takes query rows in blocks of 32 (64, 256 for longer queries); a
+        # last block of one row goes another kernel path, with other bits now and then (11 rows
+        # of SmolLM2: 33 query rows): the last row gets a call of its own
+        cut = (n - 1) * G
+        out = torch.cat([F.scaled_dot_product_attention(rows[:, :, :cut], k, v, attn_mask=mask[:, :, :cut]),
+                         F.scaled_dot_product_attention(rows[:, :, cut:], k, v, attn_mask=mask[:, :, cut:])], dim=2)
+    else:
+        out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
     return out.view(Hkv, n, G, hd).transpose(1, 2).reshape(1, H, n, hd)
 
 
