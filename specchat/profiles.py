@@ -47,6 +47,10 @@ class SpeculativeConfig(_Strict):
     # draft, mtp, dflash: try prompt lookup first (n-gram sizes ngram_max..ngram_min) and propose up
     # to this many tokens that followed the match; the model drafter guesses when nothing matches. 0: off
     lookup: int = Field(0, ge=0, le=64)
+    # prompt lookup (method ngram, or `lookup`): once the reply copies (the last 8 tokens appeared
+    # together earlier), propose up to this many tokens that followed, at most one fewer than the
+    # match is long, instead of `depth` (or `lookup`). 0: off
+    copy_depth: int = Field(0, ge=0, le=64)
     # Verify with exactly the arithmetic of target-only decoding (row by row): true requires it,
     # false turns it off, auto (unset) uses it where the kernels make it possible.
     strict: Optional[bool] = None
@@ -68,6 +72,9 @@ class SpeculativeConfig(_Strict):
         if self.lookup and self.method not in ("draft", "mtp", "dflash"):
             raise ValueError(f"`lookup` puts prompt lookup in front of a model drafter (draft, mtp, dflash); "
                              f"method '{self.method}' has none (for prompt lookup alone use method: ngram)")
+        if self.copy_depth and self.method != "ngram" and not self.lookup:
+            raise ValueError("`copy_depth` lengthens prompt-lookup drafts: it needs method 'ngram', or `lookup` "
+                             "in front of a model drafter")
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must be <= ngram_max")
         return self

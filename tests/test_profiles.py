@@ -47,6 +47,7 @@ def test_user_profile_overrides_shipped_and_extends(user_dir):
     ("model: m\nbackend: llamacpp\nspeculative: {method: ngram}\n", "needs backend 'torch'"),
     ("model: m\nspeculative: {method: draft}\n", "needs `drafter`"),
     ("model: m\nspeculative: {method: ngram, lookup: 4}\n", "in front of a model drafter"),
+    ("model: m\nspeculative: {method: draft, drafter: ./d, copy_depth: 8}\n", "lengthens prompt-lookup drafts"),
     ("model: ./missing.gguf\n", "model: no file or directory"),
     ("model: m\nspeculative: {method: draft, drafter: ./nowhere}\n", "speculative.drafter: no drafter"),
     ("model: m\n  bad: [\n", "broken YAML at line"),

@@ -58,11 +58,7 @@ class SpeculativeBackend(Backend):
     def stream(self, request: Request, sampling: Sampling,
                cancel: threading.Event | None = None) -> Iterator[Event]:
         prompt = self.checked_prompt(request)
-        depth = self.depth
-        if isinstance(self.drafter, LookupFirst):  # `depth` is the model drafter's; lookup runs may be longer
-            self.drafter.model_depth = depth
-            depth = max(depth, self.drafter.lookup_depth)
-        return speculative_stream(self.target, self.drafter, prompt, sampling, depth, self.acceptance, cancel,
+        return speculative_stream(self.target, self.drafter, prompt, sampling, self.depth, self.acceptance, cancel,
                                   self.strict, DraftGate() if self.adaptive else None)
 
     def close(self) -> None:
@@ -74,14 +70,14 @@ def make_drafter(profile, target: TorchBackend) -> Drafter:
     spec = profile.speculative
     model = make_model_drafter(profile, target)
     if spec.lookup:
-        return LookupFirst(model, spec.lookup, spec.ngram_min, spec.ngram_max, spec.depth)
+        return LookupFirst(model, spec.lookup, spec.ngram_min, spec.ngram_max, spec.depth, spec.copy_depth)
     return model
 
 
 def make_model_drafter(profile, target: TorchBackend) -> Drafter:
     spec = profile.speculative
     if spec.method == "ngram":
-        return NgramDrafter(spec.ngram_min, spec.ngram_max)
+        return NgramDrafter(spec.ngram_min, spec.ngram_max, spec.copy_depth)
     if spec.method == "draft":
         from specchat.models import fetch_hub, resolve_model
 

@@ -12,30 +12,42 @@ from backends.speculative.ngram import NgramIndex
 
 
 class NgramDrafter(Drafter):
-    """Prompt lookup over the conversation so far; no weights."""
+    """Prompt lookup over the conversation so far; no weights. Proposes up to the profile's depth,
+    or up to `copy_depth` in a copying run (see ngram.py)."""
 
     name = "ngram"
 
-    def __init__(self, n_min: int = 1, n_max: int = 3):
-        self.index = NgramIndex(n_min, n_max)
+    def __init__(self, n_min: int = 1, n_max: int = 3, copy_depth: int = 0):
+        self.index = NgramIndex(n_min, n_max, copy_depth)
+        self.depth: int | None = None  # the profile's, from plan_depth
+
+    def plan_depth(self, depth: int) -> int:
+        self.depth = depth
+        return max(depth, self.index.copy_depth)
 
     def propose(self, tokens: Sequence[int], depth: int) -> Draft:
-        return Draft(self.index.propose(tokens, depth))
+        return Draft(self.index.propose(tokens, min(depth, self.depth or depth), depth))
 
 
 class LookupFirst(Drafter):
     """Prompt lookup first, a model drafter otherwise: when the last `n_max`..`n_min` tokens
     appeared earlier in the conversation, propose up to `lookup_depth` tokens that followed them
-    (copying runs are long and usually right); else ask `model` for up to `model_depth` guesses.
+    (copying runs are long and usually right; in one, up to `copy_depth`, see ngram.py); else ask
+    `model` for up to `model_depth` guesses (the profile's depth, from plan_depth).
     The model drafter still sees every commit, so it stays in step on the passes it sits out.
     Lookup drafts carry no distribution: under `rejection` acceptance those passes use `exact`."""
 
-    def __init__(self, model: Drafter, lookup_depth: int, n_min: int = 2, n_max: int = 3, model_depth: int = 1):
-        self.model, self.index = model, NgramIndex(n_min, n_max)
+    def __init__(self, model: Drafter, lookup_depth: int, n_min: int = 2, n_max: int = 3, model_depth: int = 1,
+                 copy_depth: int = 0):
+        self.model, self.index = model, NgramIndex(n_min, n_max, copy_depth)
         self.lookup_depth, self.model_depth = lookup_depth, model_depth
         self.name = f"{model.name}+lookup"
         self.hidden_layers = model.hidden_layers
         self.max_depth = model.max_depth  # what `depth` may ask of the model drafter
+
+    def plan_depth(self, depth: int) -> int:
+        self.model_depth = depth
+        return max(depth, self.lookup_depth, self.index.copy_depth)
 
     def start(self, prompt_ids, hidden, sampling: Sampling) -> None:
         self.index.reset()
@@ -47,7 +59,7 @@ class LookupFirst(Drafter):
 
     def propose(self, tokens: Sequence[int], depth: int) -> Draft:
         if "lookup" not in self.paused:
-            found = self.index.propose(tokens, min(depth, self.lookup_depth))
+            found = self.index.propose(tokens, min(depth, self.lookup_depth), depth)
             if found:
                 return Draft(found, source="lookup")
         if self.model.name in self.paused:

@@ -49,6 +49,12 @@ class Drafter(ABC):
         """Who may guess in a proposal, by the names `Draft.source` carries."""
         return (self.name,)
 
+    def plan_depth(self, depth: int) -> int:
+        """A new request will ask for drafts of up to `depth` tokens (the profile's depth): the
+        most this drafter may propose in one pass, which a drafter whose drafts vary in length
+        (prompt lookup in a copying run) may set higher. The loop caps every proposal at it."""
+        return depth
+
     def start(self, prompt_ids: Sequence[int], hidden: dict[int, torch.Tensor], sampling: Sampling) -> None:
         """A new request; `hidden` holds the target's states for the prompt positions."""
 
@@ -129,6 +135,7 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
     (the engine's `exact_rows`), so that not even a floating-point near-tie can flip a token.
     `gate`: draft from a source only while its passes are faster than plain ones (gate.py)."""
     stats = StreamStats(prompt_tokens=len(prompt))
+    depth = drafter.plan_depth(depth)
     detok = IncrementalDetokenizer(target.detokenize)
     layers = drafter.hidden_layers
     drafter.paused = frozenset()  # no source sits out unless the gate says so

@@ -55,6 +55,7 @@ def drafters(tiny_pair, target, tmp_path_factory):
         "mtp-prenorm": lambda acceptance: mtp_drafter(target, tiny_pair[0], acceptance, "pre_norm"),
         "dflash": lambda acceptance: DFlashDrafter(dflash, target, want_q=acceptance == "rejection"),
         "ngram": lambda acceptance: NgramDrafter(1, 3),
+        "ngram-copy": lambda acceptance: NgramDrafter(2, 3, copy_depth=12),  # longer drafts in copying runs
         "draft": lambda acceptance: DraftModelDrafter(draft_engine, want_q=acceptance == "rejection"),
         "self": lambda acceptance: DraftModelDrafter(self_engine, want_q=acceptance == "rejection"),
         # prompt lookup in front of each model drafter (single-token matches, so random models use both;
@@ -64,11 +65,12 @@ def drafters(tiny_pair, target, tmp_path_factory):
             DFlashDrafter(dflash, target, want_q=acceptance == "rejection")),
         "draft+lookup": lambda acceptance: with_lookup(
             DraftModelDrafter(draft_engine, want_q=acceptance == "rejection")),
+        "mtp+lookup-copy": lambda acceptance: with_lookup(mtp_drafter(target, tiny_pair[0], acceptance), 12),
     }
 
 
-def with_lookup(model_drafter) -> LookupFirst:
-    return LookupFirst(model_drafter, lookup_depth=4, n_min=1, n_max=3, model_depth=8)
+def with_lookup(model_drafter, copy_depth: int = 0) -> LookupFirst:
+    return LookupFirst(model_drafter, lookup_depth=4, n_min=1, n_max=3, model_depth=8, copy_depth=copy_depth)
 
 
 class Counting:
@@ -79,18 +81,18 @@ class Counting:
         self._propose = drafter.propose
         drafter.propose = self
 
-    def __call__(self, tokens, depth):
-        draft = self._propose(tokens, depth)
+    def __call__(self, tokens, depth, *more):
+        draft = self._propose(tokens, depth, *more)
         guessed = draft if isinstance(draft, list) else draft.tokens
         self.passes += bool(guessed)
         self.longest = max(self.longest, len(guessed))
         return draft
 
 
-def compare(target, drafter, depth, sampling, messages=PROMPTS[0], acceptance="exact"):
-    """(reference summary, speculative summary, verdict) for one prompt."""
+def compare(target, drafter, depth, sampling, messages=PROMPTS[0], acceptance="exact", prompt_ids=None):
+    """(reference summary, speculative summary, verdict) for one prompt (chat messages, or token ids)."""
     spec = SpeculativeBackend(target, drafter, depth, acceptance)
-    request = Request(messages=messages)
+    request = Request(prompt_ids=prompt_ids) if prompt_ids is not None else Request(messages=messages)
     ref = run_to_summary(fresh(target).stream(request, sampling))
     out = run_to_summary(fresh(spec).stream(request, sampling))
     prompt = target.prompt_ids(request)

@@ -12,7 +12,7 @@ from specchat.verify import fresh
 from tests.speculative.conftest import PROMPTS, SAMPLINGS, Counting, compare
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "self", "mtp", "mtp-prenorm", "dflash"])
+@pytest.mark.parametrize("method", ["ngram", "ngram-copy", "draft", "self", "mtp", "mtp-prenorm", "dflash"])
 @pytest.mark.parametrize("depth", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "t1.2-topk-topp"])
 def test_speculative_equals_target_only(target, drafters, method, depth, sampling):
@@ -62,7 +62,8 @@ def test_multi_turn_prefix_reuse_keeps_parity(target, drafters):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(method=st.sampled_from(["ngram", "draft", "mtp", "dflash", "mtp+lookup", "dflash+lookup"]),
+@given(method=st.sampled_from(["ngram", "ngram-copy", "draft", "mtp", "dflash", "mtp+lookup", "mtp+lookup-copy",
+                                 "dflash+lookup"]),
        depth=st.integers(1, 8),
        temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5]), top_k=st.sampled_from([0, 1, 5, 50]),
        top_p=st.sampled_from([1.0, 0.95, 0.5]), seed=st.integers(0, 2**31 - 1),
