@@ -54,3 +54,23 @@ def test_int4_verify_block_is_bitwise_a_decode_pass(real_gguf):
     engine.truncate(len(ids))
     singles = torch.cat([engine.forward([t], len(ids) + i)[0] for i, t in enumerate(block)])
     assert torch.equal(logits, singles)
+
+
+def test_int4_long_verify_blocks_are_bitwise_decode_passes(real_gguf):
+    """Blocks of 2..24 rows (copy runs verify up to 65) over real text, placed across attention-pad
+    boundaries so that their rows split into groups of every size: each row equals its
+    single-token pass bit for bit (a group of 11 rows once did not; see model._attend_rows)."""
+    engine = TorchBackend(real_gguf, precision="int4", context=512)
+    text = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, counting the "
+            "one hundred and twelve steps as his father had taught him, and lit the lamp that warned "
+            "the fishing boats away from the rocks. ") * 5
+    ids = engine.tokenize_chat([{"role": "user", "content": text}])
+    assert len(ids) > 200
+    for start in (100, 120, 127, 150, 180):
+        engine.truncate(0)
+        engine.forward(ids[:start], 0)
+        singles = torch.cat([engine.forward([t], start + i, head=False)[0] for i, t in enumerate(ids[start:start + 24])])
+        for k in range(2, 25):
+            block, _ = engine.forward(ids[start:start + k], start, exact_rows=True, head=False)
+            bad = [i for i in range(k) if not torch.equal(block[i], singles[i])]
+            assert not bad, (start, k, bad)
