@@ -64,7 +64,7 @@ def test_multi_turn_prefix_reuse_keeps_parity(target, drafters):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(method=st.sampled_from(["ngram", "ngram-copy", "draft", "mtp", "dflash", "mtp+lookup", "mtp+lookup-copy",
                                  "dflash+lookup"]),
-       depth=st.integers(1, 8),
+       depth=st.integers(1, 16),  # long blocks too: copy runs verify up to 65 rows
        temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5]), top_k=st.sampled_from([0, 1, 5, 50]),
        top_p=st.sampled_from([1.0, 0.95, 0.5]), seed=st.integers(0, 2**31 - 1),
        prompt=st.sampled_from(PROMPTS), max_tokens=st.integers(1, 30))
