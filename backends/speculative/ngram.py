@@ -10,7 +10,7 @@ A reply that copies (a function it was asked to edit, a paragraph it repeats, a 
 text) shows it by a long match: once the last COPY_MIN tokens appeared together before, the
 index proposes up to `copy_depth` tokens, at most one fewer than the match is long, instead of
 the usual few. Verifying many rows costs more per pass (for SmolLM2-135M on 2 CPU cores, 8
-rows ~1.9 single-token passes, 16 ~2.2), which a copying run pays back; short matches, right
+rows ~1.8 single-token passes, 16 ~2.2), which a copying run pays back; short matches, right
 about half the time, keep short drafts.
 """
 from __future__ import annotations
