@@ -134,7 +134,8 @@ class TorchBackend(Backend):
                 self.forward([0] * 5, 0)
                 self.forward([0], 5, layers)
                 advance(1)
-                if padded_span(7, self.model.max_len) == padded_span(9, self.model.max_len):  # one row group
+                # exact verify rows, where they can be compiled: rows 6..8 in one row group
+                if self.rows_bitwise and padded_span(7, self.model.max_len) == padded_span(9, self.model.max_len):
                     self.forward([0] * 3, 6, layers, exact_rows=True)
                 advance(1)
         except Exception as e:
@@ -162,8 +163,10 @@ class TorchBackend(Backend):
 
     @property
     def rows_bitwise(self) -> bool:
-        """Whether forward(..., exact_rows=True) reproduces single-token passes bit for bit."""
-        return self.device.type == "cpu" and self.precision in ROW_INVARIANT_PRECISIONS and not self.model.static
+        """Whether forward(..., exact_rows=True) reproduces single-token passes bit for bit (with
+        compiled graphs, only where this machine's attention kernel lets rows share a call)."""
+        return (self.device.type == "cpu" and self.precision in ROW_INVARIANT_PRECISIONS and not self.model.static
+                and (self.model.rows_share_attention or not self.model.compiled_rows))
 
     @property
     def cache_len(self) -> int:

@@ -10,6 +10,7 @@ The residual stream stays in float32; matmul inputs are cast to the compute dtyp
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -197,7 +198,8 @@ def exact_row_groups(start: int, K: int, max_len: int, device: torch.device, dty
     return groups
 
 
-def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: Tensor) -> Tensor:
+def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: Tensor,
+                 shared: bool = True) -> Tensor:
     """q [H, n, hd] as n rows over cache[:n_keys] (mask from `key_mask`); returns [1, H, n, hd].
 
     Each row is computed exactly as a single-token pass computes it, reading the cache in place.
@@ -209,11 +211,18 @@ def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask:
     whatever the number of rows (tested; in float32 not always, like its matmuls). A one-row
     query takes another kernel path with other bits, so with G == 1 each row stays a one-row
     query: the rows go into the head dimension, every one sharing its kv head. (A batch of rows
-    would need the cache expanded per row, which a compiled graph copies.)"""
+    would need the cache expanded per row, which a compiled graph copies.)
+
+    Not every CPU's kernel keeps a row's bits in a shared call (`rows_share_attention`: with
+    AVX512-BF16, MKL's bfloat16 GEMM inside it rounds a row by how many rows come); there, with
+    `shared` False, each row of G > 1 query heads gets the call a single-token pass makes."""
     H, n, hd = q.shape
     Hkv = cache_k.shape[1]
     G = H // Hkv
     k, v = cache_k[:, :, :n_keys], cache_v[:, :, :n_keys]
+    if n > 1 and G > 1 and not shared:
+        return torch.cat([_attend_rows(q[:, i:i + 1], cache_k, cache_v, n_keys, mask[:, :, i * G:i * G + 1])
+                          for i in range(n)], dim=2)
     if G == 1:
         out = F.scaled_dot_product_attention(q.reshape(1, H * n, 1, hd), k, v, attn_mask=mask, enable_gqa=n > 1)
         return out.view(1, H, n, hd)
@@ -228,6 +237,27 @@ def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask:
     else:
         out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
     return out.view(Hkv, n, G, hd).transpose(1, 2).reshape(1, H, n, hd)
+
+
+@functools.cache
+def rows_share_attention(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether this machine's CPU attention kernel gives each row of a multi-row `_attend_rows`
+    call the bits of a one-row call, checked on random blocks of 2..33 rows over 64..1088 keys
+    (~0.04 s, once per shape). It held on the machines this project was built on; on an AMD EPYC
+    with AVX512-BF16, ~15% of SmolLM2-shaped rows differ in their last bit. A probe can only find
+    a difference, not prove there is none, hence so many rows."""
+    g = torch.Generator().manual_seed(0)
+    for n_keys in (64, 128, 256, 384, 512, 832, 1088):
+        cache = [torch.randn(1, kv_heads, n_keys, head_dim, generator=g).to(dtype) for _ in range(2)]
+        for n in (2, 3, 4, 5, 8, 11, 16, 33):
+            q = (3 * torch.randn(kv_heads * group, n, head_dim, generator=g)).to(dtype)
+            ends = torch.full((n,), n_keys)
+            block = _attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, dtype, (kv_heads, group)))
+            for i in range(n):
+                one = _attend_rows(q[:, i:i + 1], *cache, n_keys, key_mask(ends[i:i + 1], n_keys, dtype))
+                if not torch.equal(block[0, :, i], one[0, :, 0]):
+                    return False
+    return True
 
 
 class KVCache:
@@ -254,6 +284,7 @@ class Block(nn.Module):
         self.attn_norm, self.mlp_norm = w["attn_norm"], w["mlp_norm"]
         self.qkv, self.o, self.gate_up, self.down = w["qkv"], w["o"], w["gate_up"], w["down"]
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
+        self.rows_share_attention = True  # see `_attend_rows`; the Transformer probes the machine
 
     def forward(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, write: slice | Tensor, span: int,
                 cos: Tensor, sin: Tensor, mask: Tensor | None, dtype: torch.dtype,
@@ -266,7 +297,7 @@ class Block(nn.Module):
         q = self._queries_to_cache(x, cache_k, cache_v, write, cos, sin, dtype, exact)
         H, Hkv = self.cfg.n_heads, self.cfg.n_kv_heads
         if row_groups is not None:  # each row exactly as a single-token pass computes it
-            parts = [_attend_rows(q[:, lo:hi], cache_k, cache_v, n_keys, m)
+            parts = [_attend_rows(q[:, lo:hi], cache_k, cache_v, n_keys, m, self.rows_share_attention)
                      for lo, hi, n_keys, m in row_groups]
             a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         else:
@@ -280,7 +311,7 @@ class Block(nn.Module):
         each row's attention a one-row query (`_attend_rows`), so that a graph compiled for K >= 2
         rows and one for K = 1 do the same arithmetic per row (see Transformer.use_compiled_rows)."""
         q = self._queries_to_cache(x, cache_k, cache_v, slice(pos, pos + x.shape[0]), cos, sin, dtype, True)
-        a = _attend_rows(q, cache_k, cache_v, n_keys, mask)
+        a = _attend_rows(q, cache_k, cache_v, n_keys, mask, self.rows_share_attention)
         return self._output_and_mlp(x, a, dtype, True)
 
     def _queries_to_cache(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, write: slice | Tensor,
@@ -338,6 +369,16 @@ class Transformer(nn.Module):
         self._run_blocks = self._blocks
         self._compiled_rows = None  # see use_compiled_rows
         self.setup_cache(max_len)
+        if self.device.type == "cpu" and self.cache_dtype == torch.bfloat16 and cfg.n_heads > cfg.n_kv_heads:
+            shared = rows_share_attention(cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, torch.bfloat16)
+            for block in self.blocks:
+                block.rows_share_attention = shared
+
+    @property
+    def rows_share_attention(self) -> bool:
+        """Whether an exact pass of many rows computes their attention in shared calls (see
+        `_attend_rows`); where this machine's kernel does not allow it, each row has its own."""
+        return all(block.rows_share_attention for block in self.blocks)
 
     def use_static_shapes(self, compile: bool = False) -> None:
         """Make every pass attend over the whole cache with a position mask (gpt-fast style), so
@@ -450,7 +491,10 @@ class Transformer(nn.Module):
                 mask = torch.zeros(hidden_keys.shape, dtype=self.cache_dtype, device=self.device)
                 mask.masked_fill_(hidden_keys, float("-inf"))
             # else: a prefill from position 0, plain causal attention (mask None, see Block)
-        if row_groups is not None and self._compiled_rows is not None:
+        # compiled graphs give rows their bits only with shared attention calls (a call per row
+        # would specialize the graph on the number of rows): without, exact blocks run eager
+        compiled = self._compiled_rows is not None and (K == 1 or self.rows_share_attention)
+        if row_groups is not None and compiled:
             x, hidden = self._compiled_groups(x, start_pos, row_groups, tuple(hidden_layers))
         else:
             x, hidden = self._run_blocks(x, write, span, self.rope_cos[write], self.rope_sin[write], mask,

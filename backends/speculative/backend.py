@@ -20,6 +20,10 @@ class SpeculativeBackend(Backend):
         if strict is None:  # auto
             strict = target.rows_bitwise
         if strict and not target.rows_bitwise:
+            if target.model.compiled_rows and not target.model.rows_share_attention:
+                raise BackendError("strict verification with compile: true needs an attention kernel that keeps a "
+                                   "row's bits in shared calls, which this CPU's does not; set compile: false "
+                                   "(strict, eager) or strict: false")
             raise BackendError(f"strict verification needs row-invariant kernels (int4 or bfloat16 on CPU), "
                                f"but the target runs {target.precision} on {target.device.type}; "
                                "set dtype: bfloat16 (or auto for a Q4 GGUF) or strict: false")

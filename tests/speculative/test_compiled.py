@@ -40,9 +40,16 @@ def make(name, target, eager, dflash, tiny_pair):
     return DFlashDrafter(load_dflash(dflash, target.model.cfg), target)
 
 
+def strict_or_skip(target: TorchBackend) -> None:
+    if not target.model.rows_share_attention:
+        pytest.skip("this CPU's attention kernel changes a row's bits with the rows sharing its call, so compiled "
+                    "graphs refuse strict verification here (test_parity.py checks the refusal)")
+
+
 def test_compiled_target_is_row_exact_and_warm(compiled):
     target, eager, _ = compiled
-    assert target.model.compiled_rows and target.rows_bitwise and not eager.model.compiled_rows
+    assert target.model.compiled_rows and not eager.model.compiled_rows
+    assert target.rows_bitwise == target.model.rows_share_attention
 
 
 @pytest.mark.parametrize("method", ["ngram", "eager-self", "mtp+lookup", "dflash"])
@@ -50,6 +57,7 @@ def test_compiled_target_is_row_exact_and_warm(compiled):
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "t1.2-topk-topp"])
 def test_compiled_speculative_equals_compiled_target_only(compiled, tiny_pair, method, depth, sampling):
     target, eager, dflash = compiled
+    strict_or_skip(target)
     drafter = make(method, target, eager, dflash, tiny_pair)
     if method == "dflash":
         depth = min(depth, 4)

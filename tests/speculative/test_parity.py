@@ -99,6 +99,42 @@ def test_strict_verification_is_bitwise_target_only(bf16_pair, depth, sampling):
         assert out.token_ids == ref.token_ids
 
 
+@pytest.mark.parametrize("depth", [2, 6])
+def test_strict_verification_with_a_call_per_row_is_bitwise_target_only(tiny_pair, depth):
+    """Where the CPU's attention kernel changes a row's bits with the rows sharing its call (the
+    probe finds this with AVX512-BF16), each verify row gets a call of its own: strict replies
+    stay identical to target-only decoding, on any machine this test runs on."""
+    from backends.speculative.drafters import DraftModelDrafter
+    from tests.speculative.conftest import engine
+
+    target, draft = engine(tiny_pair[0], "bfloat16"), engine(tiny_pair[1], "bfloat16")
+    for block in target.model.blocks:
+        block.rows_share_attention = False
+    assert target.rows_bitwise and not target.model.rows_share_attention
+    spec = SpeculativeBackend(target, DraftModelDrafter(draft), depth, strict=True)
+    for sampling in (Sampling(max_tokens=40), Sampling(temperature=0.8, seed=3, max_tokens=40)):
+        for messages in PROMPTS:
+            ref = run_to_summary(fresh(target).stream(Request(messages=messages), sampling))
+            out = run_to_summary(fresh(spec).stream(Request(messages=messages), sampling))
+            assert out.token_ids == ref.token_ids
+
+
+def test_strict_refuses_compiled_graphs_where_rows_cannot_share_attention(tiny_pair, drafters):
+    """Compiled graphs cannot give each row a call of its own (the graph would specialize on the
+    number of rows): there strict verification is refused with the way out, not run inexactly."""
+    from backends.base import BackendError
+    from tests.speculative.conftest import engine
+
+    target = engine(tiny_pair[0], "bfloat16")
+    for block in target.model.blocks:
+        block.rows_share_attention = False
+    target.model._compiled_rows = lambda *args: None  # as use_compiled_rows leaves it, without compiling
+    assert not target.rows_bitwise
+    with pytest.raises(BackendError, match="compile: true needs an attention kernel"):
+        SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=True)
+    assert SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=None).strict is False
+
+
 def test_verify_rows_reach_the_argmax_head_in_one_call(bf16_pair):
     """The int8 head streams its weights once for any number of rows; the float32 head (top-k /
     top-p) costs per pair of rows, so the loop gives it pairs and stops at a rejected draft."""
