@@ -243,12 +243,15 @@ def cmd_verify(args) -> int:
         if args.reference:
             reference.close()
     totals = summarize(checks)
+    strict = getattr(spec, "strict", None)  # None: a server or llama.cpp verifies its own way
     if args.json:
         print(json.dumps({"profile": spec_profile.name, "reference": args.reference or f"{spec_profile.name} (target-only)",
-                          **totals, "prompts_checked": [c.as_dict() for c in checks]}))
+                          "strict": strict, **totals, "prompts_checked": [c.as_dict() for c in checks]}))
     else:
+        how = {True: " (strict verification)", None: "",
+               False: " (verification not strict: floating-point near-ties may flip a token)"}[strict]
         print(f"{totals['prompts']} prompts: {totals['identical']} identical, {totals['near_ties']} near-ties, "
-              f"{totals['mismatches']} mismatches")
+              f"{totals['mismatches']} mismatches{how}")
     return EXIT_RUNTIME if totals["mismatches"] else EXIT_OK
 
 

@@ -74,5 +74,18 @@ def test_verify_lookup_first_mtp_on_the_real_default_model(default_gguf, tmp_pat
                            str(prompts), "--max-tokens", "40", "--json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert out["identical"] == 1 and out["mismatches"] == 0
+    assert out["identical"] == 1 and out["mismatches"] == 0 and out["strict"] is True
     assert out["prompts_checked"][0]["mean_accepted"] > 1.5
+
+
+@pytest.mark.parametrize("dtype,how", [("bfloat16", "(strict verification)"),
+                                       ("float32", "(verification not strict: floating-point near-ties")])
+def test_verify_says_whether_verification_was_strict(tiny_profile, isolated_dirs, tmp_path, capsys, dtype, how):
+    """Near-ties can only occur without strict verification, so the summary says which it was."""
+    (isolated_dirs / "user-profiles" / "tiny-ngram.yaml").write_text(
+        f"backend: torch\nmodel: ./tiny.gguf\ncontext: 256\nthreads: 2\ndtype: {dtype}\n"
+        "speculative: {method: ngram, depth: 2}\n")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["one two one two one two"]}) + "\n")
+    assert cli.main(["verify", "-p", "tiny-ngram", "--prompts", str(prompts), "--max-tokens", "8"]) == 0
+    assert how in capsys.readouterr().out
