@@ -215,14 +215,15 @@ def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask:
 
     Not every CPU's kernel keeps a row's bits in a shared call (`rows_share_attention`: with
     AVX512-BF16, MKL's bfloat16 GEMM inside it rounds a row by how many rows come); there, with
-    `shared` False, each row of G > 1 query heads gets the call a single-token pass makes."""
+    `shared` False, each row gets the call a single-token pass makes."""
     H, n, hd = q.shape
     Hkv = cache_k.shape[1]
     G = H // Hkv
     k, v = cache_k[:, :, :n_keys], cache_v[:, :, :n_keys]
-    if n > 1 and G > 1 and not shared:
-        return torch.cat([_attend_rows(q[:, i:i + 1], cache_k, cache_v, n_keys, mask[:, :, i * G:i * G + 1])
-                          for i in range(n)], dim=2)
+    if n > 1 and not shared:
+        row_masks = [mask[:, :, i * G:i * G + 1] if G > 1 else mask[:, i:i + 1] for i in range(n)]
+        return torch.cat([_attend_rows(q[:, i:i + 1], cache_k, cache_v, n_keys, m) for i, m in enumerate(row_masks)],
+                         dim=2)
     if G == 1:
         out = F.scaled_dot_product_attention(q.reshape(1, H * n, 1, hd), k, v, attn_mask=mask, enable_gqa=n > 1)
         return out.view(1, H, n, hd)
@@ -369,7 +370,7 @@ class Transformer(nn.Module):
         self._run_blocks = self._blocks
         self._compiled_rows = None  # see use_compiled_rows
         self.setup_cache(max_len)
-        if self.device.type == "cpu" and self.cache_dtype == torch.bfloat16 and cfg.n_heads > cfg.n_kv_heads:
+        if self.device.type == "cpu" and self.cache_dtype == torch.bfloat16:
             shared = rows_share_attention(cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, torch.bfloat16)
             for block in self.blocks:
                 block.rows_share_attention = shared
