@@ -219,11 +219,11 @@ def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask:
     H, n, hd = q.shape
     Hkv = cache_k.shape[1]
     G = H // Hkv
-    k, v = cache_k[:, :, :n_keys], cache_v[:, :, :n_keys]
     if n > 1 and not shared:
         row_masks = [mask[:, :, i * G:i * G + 1] if G > 1 else mask[:, i:i + 1] for i in range(n)]
         return torch.cat([_attend_rows(q[:, i:i + 1], cache_k, cache_v, n_keys, m) for i, m in enumerate(row_masks)],
                          dim=2)
+    k, v = cache_k[:, :, :n_keys], cache_v[:, :, :n_keys]
     if G == 1:
         out = F.scaled_dot_product_attention(q.reshape(1, H * n, 1, hd), k, v, attn_mask=mask, enable_gqa=n > 1)
         return out.view(1, H, n, hd)
