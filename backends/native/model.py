@@ -155,8 +155,6 @@ class Linear(nn.Module):
 # 128 within noise of each other per single-token pass)
 ATTENTION_PAD = 64
 
-_Q_BLOCK = 32  # CPU flash attention's query block (its larger ones are multiples), see _attend_rows
-
 
 def padded_span(end: int, max_len: int) -> int:
     """How many cache positions a single-token pass at position end - 1 attends over (the rest masked).
@@ -198,28 +196,53 @@ def exact_row_groups(start: int, K: int, max_len: int, device: torch.device, dty
     return groups
 
 
+# How `_attend_rows` computes the rows of one call where their bits must not depend on the rows
+# around them, fastest first; `attention_rows_mode` finds which this machine's kernel allows
+ATTENTION_ROWS = ("shared", "padded", "separate")
+_MIN_QUERY_ROWS = 4  # "padded": no query block of CPU flash attention with fewer rows (see _attend_rows)
+
+
+def _query_block(rows: int) -> int:
+    """CPU flash attention's query block for a call of `rows` query rows (per kv head)."""
+    return 256 if rows >= 768 else 64 if rows >= 192 else 32
+
+
+def _rows_to_pad(rows: int) -> int:
+    """Zero query rows to add so that no query block of the call has fewer than _MIN_QUERY_ROWS:
+    with a multiple of 4 rows every block (32, 64 or 256 rows) and so the last has 0 or 4+.
+    1 to 4, never 0: a compiled graph would guard on a size that may be 0."""
+    return (-rows - 1) % _MIN_QUERY_ROWS + 1
+
+
 def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: Tensor,
-                 shared: bool = True) -> Tensor:
+                 rows: str = "shared") -> Tensor:
     """q [H, n, hd] as n rows over cache[:n_keys] (mask from `key_mask`); returns [1, H, n, hd].
 
     Each row is computed exactly as a single-token pass computes it, reading the cache in place.
     With grouped-query attention (G = H / Hkv > 1 query heads per kv head) a single-token pass is
     already a G-row query per kv head; a block's rows join those as more query rows of the same
     kv head ([1, Hkv, n * G, hd]): one attention call over the keys for all of them (over 768
-    keys, 3 rows: 55 instead of 118 us a layer as one-row queries), and CPU attention in bfloat16
-    (the row-invariant precisions' cache) gives every query row of a multi-row call the same bits
-    whatever the number of rows (tested; in float32 not always, like its matmuls). A one-row
-    query takes another kernel path with other bits, so with G == 1 each row stays a one-row
-    query: the rows go into the head dimension, every one sharing its kv head. (A batch of rows
-    would need the cache expanded per row, which a compiled graph copies.)
+    keys, 3 rows: 55 instead of 118 us a layer as one-row queries). With G == 1 each row stays a
+    one-row query: the rows go into the head dimension, every one sharing its kv head. (A batch
+    of rows would need the cache expanded per row, which a compiled graph copies.)
 
-    Not every CPU's kernel keeps a row's bits in a shared call (`rows_share_attention`: with
-    AVX512-BF16, MKL's bfloat16 GEMM inside it rounds a row by how many rows come); there, with
-    `shared` False, each row gets the call a single-token pass makes."""
+    CPU flash attention in bfloat16 (the row-invariant precisions' cache) takes query rows in
+    blocks (32 for short queries) and multiplies each block by the keys in one GEMM. Whether a
+    row's bits then depend on the block around it is the CPU's GEMM's business, so the machine is
+    probed (`attention_rows_mode`) and `rows` says how to call:
+    - "shared": the rows in one call; a last query block of a single row (11 rows of SmolLM2's 3
+      query heads: 33) goes another kernel path with other bits now and then, so it gets a call
+      of its own (the machines this project was built on).
+    - "padded": where a GEMM of 1-3 rows rounds differently from a larger one (MKL's bfloat16
+      GEMM on AMD EPYC, with or without AVX512-BF16: ~15% of rows differ in their last bit),
+      zero query rows are added (_rows_to_pad) so that no query block is that small, single-token
+      passes included (3 rows of SmolLM2 become 4): every row then comes from a GEMM of 4 or more
+      rows, at no measurable cost (1,024 keys: 3 rows 150-270 us, 4 rows 120-250 us).
+    - "separate": each row the call a single-token pass makes (the fallback; a row costs a call)."""
     H, n, hd = q.shape
     Hkv = cache_k.shape[1]
     G = H // Hkv
-    if n > 1 and not shared:
+    if n > 1 and rows == "separate":
         row_masks = [mask[:, :, i * G:i * G + 1] if G > 1 else mask[:, i:i + 1] for i in range(n)]
         return torch.cat([_attend_rows(q[:, i:i + 1], cache_k, cache_v, n_keys, m) for i, m in enumerate(row_masks)],
                          dim=2)
@@ -227,35 +250,46 @@ def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask:
     if G == 1:
         out = F.scaled_dot_product_attention(q.reshape(1, H * n, 1, hd), k, v, attn_mask=mask, enable_gqa=n > 1)
         return out.view(1, H, n, hd)
-    rows = q.view(Hkv, G, n, hd).transpose(1, 2).reshape(1, Hkv, n * G, hd)
-    if n > 1 and n * G % _Q_BLOCK == 1:
-        # CPU flash attention takes query rows in blocks of 32 (64, 256 for longer queries); a
-        # last block of one row goes another kernel path, with other bits now and then (11 rows
-        # of SmolLM2: 33 query rows): the last row gets a call of its own
+    R = n * G
+    x = q.view(Hkv, G, n, hd).transpose(1, 2).reshape(1, Hkv, R, hd)
+    if rows == "padded":
+        pad = _rows_to_pad(R)
+        x = torch.cat([x, x.new_zeros(1, Hkv, pad, hd)], dim=2)
+        mask = torch.cat([mask.expand(1, 1, R, n_keys), mask.new_zeros(1, 1, pad, n_keys)], dim=2)
+        # a copy, not a view: whether the first R rows of R + pad are contiguous depends on pad,
+        # which a compiled graph would guard on
+        out = F.scaled_dot_product_attention(x, k, v, attn_mask=mask)[:, :, :R].clone(memory_format=torch.contiguous_format)
+    elif n > 1 and R % _query_block(R) == 1:
         cut = (n - 1) * G
-        out = torch.cat([F.scaled_dot_product_attention(rows[:, :, :cut], k, v, attn_mask=mask[:, :, :cut]),
-                         F.scaled_dot_product_attention(rows[:, :, cut:], k, v, attn_mask=mask[:, :, cut:])], dim=2)
+        out = torch.cat([F.scaled_dot_product_attention(x[:, :, :cut], k, v, attn_mask=mask[:, :, :cut]),
+                         F.scaled_dot_product_attention(x[:, :, cut:], k, v, attn_mask=mask[:, :, cut:])], dim=2)
     else:
-        out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(x, k, v, attn_mask=mask)
     return out.view(Hkv, n, G, hd).transpose(1, 2).reshape(1, H, n, hd)
 
 
 @functools.cache
-def rows_share_attention(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether this machine's CPU attention kernel gives each row of a multi-row `_attend_rows`
-    call the bits of a one-row call, checked on random blocks of 2..33 rows over 64..1088 keys
-    (~0.04 s, once per shape). It held on the machines this project was built on; on an AMD EPYC
-    with AVX512-BF16, ~15% of SmolLM2-shaped rows differ in their last bit. A probe can only find
-    a difference, not prove there is none, hence so many rows."""
+def attention_rows_mode(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype) -> str:
+    """The first of ATTENTION_ROWS under which this machine's CPU attention kernel gives each row
+    of a multi-row `_attend_rows` call the bits of a one-row call, checked on random blocks of
+    2..33 rows over 64..1088 keys (~0.04 s a mode, once per shape). A probe can only find a
+    difference, not prove there is none, hence so many rows."""
+    for rows in ATTENTION_ROWS[:-1]:
+        if _rows_keep_their_bits(kv_heads, group, head_dim, dtype, rows):
+            return rows
+    return "separate"
+
+
+def _rows_keep_their_bits(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, rows: str) -> bool:
     g = torch.Generator().manual_seed(0)
     for n_keys in (64, 128, 256, 384, 512, 832, 1088):
         cache = [torch.randn(1, kv_heads, n_keys, head_dim, generator=g).to(dtype) for _ in range(2)]
         for n in (2, 3, 4, 5, 8, 11, 16, 33):
             q = (3 * torch.randn(kv_heads * group, n, head_dim, generator=g)).to(dtype)
             ends = torch.full((n,), n_keys)
-            block = _attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, dtype, (kv_heads, group)))
+            block = _attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, dtype, (kv_heads, group)), rows)
             for i in range(n):
-                one = _attend_rows(q[:, i:i + 1], *cache, n_keys, key_mask(ends[i:i + 1], n_keys, dtype))
+                one = _attend_rows(q[:, i:i + 1], *cache, n_keys, key_mask(ends[i:i + 1], n_keys, dtype), rows)
                 if not torch.equal(block[0, :, i], one[0, :, 0]):
                     return False
     return True
@@ -285,7 +319,7 @@ class Block(nn.Module):
         self.attn_norm, self.mlp_norm = w["attn_norm"], w["mlp_norm"]
         self.qkv, self.o, self.gate_up, self.down = w["qkv"], w["o"], w["gate_up"], w["down"]
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
-        self.rows_share_attention = True  # see `_attend_rows`; the Transformer probes the machine
+        self.attention_rows = "shared"  # see `_attend_rows`; the Transformer probes the machine
 
     def forward(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, write: slice | Tensor, span: int,
                 cos: Tensor, sin: Tensor, mask: Tensor | None, dtype: torch.dtype,
@@ -298,7 +332,7 @@ class Block(nn.Module):
         q = self._queries_to_cache(x, cache_k, cache_v, write, cos, sin, dtype, exact)
         H, Hkv = self.cfg.n_heads, self.cfg.n_kv_heads
         if row_groups is not None:  # each row exactly as a single-token pass computes it
-            parts = [_attend_rows(q[:, lo:hi], cache_k, cache_v, n_keys, m, self.rows_share_attention)
+            parts = [_attend_rows(q[:, lo:hi], cache_k, cache_v, n_keys, m, self.attention_rows)
                      for lo, hi, n_keys, m in row_groups]
             a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         else:
@@ -312,7 +346,7 @@ class Block(nn.Module):
         each row's attention a one-row query (`_attend_rows`), so that a graph compiled for K >= 2
         rows and one for K = 1 do the same arithmetic per row (see Transformer.use_compiled_rows)."""
         q = self._queries_to_cache(x, cache_k, cache_v, slice(pos, pos + x.shape[0]), cos, sin, dtype, True)
-        a = _attend_rows(q, cache_k, cache_v, n_keys, mask, self.rows_share_attention)
+        a = _attend_rows(q, cache_k, cache_v, n_keys, mask, self.attention_rows)
         return self._output_and_mlp(x, a, dtype, True)
 
     def _queries_to_cache(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, write: slice | Tensor,
@@ -371,15 +405,24 @@ class Transformer(nn.Module):
         self._compiled_rows = None  # see use_compiled_rows
         self.setup_cache(max_len)
         if self.device.type == "cpu" and self.cache_dtype == torch.bfloat16:
-            shared = rows_share_attention(cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, torch.bfloat16)
-            for block in self.blocks:
-                block.rows_share_attention = shared
+            self.attention_rows = attention_rows_mode(cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim,
+                                                      torch.bfloat16)
+
+    @property
+    def attention_rows(self) -> str:
+        """How an exact pass computes its rows' attention (ATTENTION_ROWS, see `_attend_rows`)."""
+        return self.blocks[0].attention_rows
+
+    @attention_rows.setter
+    def attention_rows(self, rows: str) -> None:
+        for block in self.blocks:
+            block.attention_rows = rows
 
     @property
     def rows_share_attention(self) -> bool:
-        """Whether an exact pass of many rows computes their attention in shared calls (see
-        `_attend_rows`); where this machine's kernel does not allow it, each row has its own."""
-        return all(block.rows_share_attention for block in self.blocks)
+        """Whether an exact pass computes its rows' attention in shared calls (padded or not), as
+        compiled graphs need: a call per row would specialize a graph on the number of rows."""
+        return self.attention_rows != "separate"
 
     def use_static_shapes(self, compile: bool = False) -> None:
         """Make every pass attend over the whole cache with a position mask (gpt-fast style), so
@@ -492,8 +535,8 @@ class Transformer(nn.Module):
                 mask = torch.zeros(hidden_keys.shape, dtype=self.cache_dtype, device=self.device)
                 mask.masked_fill_(hidden_keys, float("-inf"))
             # else: a prefill from position 0, plain causal attention (mask None, see Block)
-        # compiled graphs give rows their bits only with shared attention calls (a call per row
-        # would specialize the graph on the number of rows): without, exact blocks run eager
+        # compiled graphs give rows their bits only with shared attention calls, padded or not (a
+        # call per row would specialize the graph on the number of rows): without, exact blocks run eager
         compiled = self._compiled_rows is not None and (K == 1 or self.rows_share_attention)
         if row_groups is not None and compiled:
             x, hidden = self._compiled_groups(x, start_pos, row_groups, tuple(hidden_layers))

@@ -191,25 +191,27 @@ def test_prefill_from_zero_equals_a_prefill_in_two_parts(tiny_ggufs):
     assert (torch.cat([first, rest]) - whole).abs().max() < FP32_TOL
 
 
-def _sharing_modes(kv_heads: int, group: int, head_dim: int) -> list[bool]:
-    """The ways `_attend_rows` may compute a block's rows on this machine: in shared calls where
-    the probe found this CPU's kernel keeps a row's bits, and always one call per row."""
-    from backends.native.model import rows_share_attention
+def _row_modes(kv_heads: int, group: int, head_dim: int) -> list[str]:
+    """The ways `_attend_rows` may compute a block's rows on this machine: those under which the
+    probe found this CPU's kernel keeps a row's bits, and always one call per row."""
+    from backends.native.model import ATTENTION_ROWS, _rows_keep_their_bits
 
-    return [False] + ([True] if rows_share_attention(kv_heads, group, head_dim, torch.bfloat16) else [])
+    return [rows for rows in ATTENTION_ROWS
+            if rows == "separate" or _rows_keep_their_bits(kv_heads, group, head_dim, torch.bfloat16, rows)]
 
 
 @pytest.mark.parametrize("kv_heads,group,head_dim", [(3, 3, 64), (2, 1, 32), (1, 4, 64), (2, 7, 16), (4, 2, 128)])
 def test_attention_rows_are_each_a_single_token_pass(kv_heads, group, head_dim):
     """`_attend_rows` computes a verify block's rows in one attention call (or, where this CPU's
-    kernel would change a row's bits with the rows around it, a call per row); each row must come
-    out bit for bit as the attention a single-token pass computes at that position (blocks of the
-    sizes `padded_span` groups, and longer ones over several of the kernel's key blocks)."""
-    for shared in _sharing_modes(kv_heads, group, head_dim):
-        _check_attention_rows(kv_heads, group, head_dim, shared)
+    kernel would change a row's bits with the rows around it, in padded calls or a call per row);
+    each row must come out bit for bit as the attention a single-token pass computes at that
+    position (blocks of the sizes `padded_span` groups, and longer ones over several of the
+    kernel's key blocks)."""
+    for rows in _row_modes(kv_heads, group, head_dim):
+        _check_attention_rows(kv_heads, group, head_dim, rows)
 
 
-def _check_attention_rows(kv_heads: int, group: int, head_dim: int, shared: bool) -> None:
+def _check_attention_rows(kv_heads: int, group: int, head_dim: int, rows: str) -> None:
     from backends.native.model import _attend_rows, key_mask, padded_span
 
     g = torch.Generator().manual_seed(kv_heads * 100 + group)
@@ -221,32 +223,44 @@ def _check_attention_rows(kv_heads: int, group: int, head_dim: int, shared: bool
     for start, n_keys, n in blocks + [(560, 576, 16), (1076, 1088, 12)]:
         q = (3 * torch.randn(kv_heads * group, n, head_dim, generator=g)).bfloat16()
         ends = torch.arange(start + 1, start + n + 1)
-        block = _attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, torch.bfloat16, (kv_heads, group)), shared)
+        block = _attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, torch.bfloat16, (kv_heads, group)), rows)
         for i in range(n):
-            one = _attend_rows(q[:, i:i + 1], *cache, n_keys, key_mask(ends[i:i + 1], n_keys, torch.bfloat16))
-            assert torch.equal(block[0, :, i], one[0, :, 0]), (n_keys, n, i, shared)
+            one = _attend_rows(q[:, i:i + 1], *cache, n_keys, key_mask(ends[i:i + 1], n_keys, torch.bfloat16), rows)
+            assert torch.equal(block[0, :, i], one[0, :, 0]), (n_keys, n, i, rows)
+
+
+def test_padded_attention_calls_have_no_small_query_block():
+    """"padded" adds 1-4 zero query rows (never 0: a compiled graph would guard on it) so that
+    every query block of CPU flash attention (32, 64 or 256 rows by the call's size) has 4 or more."""
+    from backends.native.model import _query_block, _rows_to_pad
+
+    for rows in range(1, 1200):
+        pad = _rows_to_pad(rows)
+        total = rows + pad
+        assert 1 <= pad <= 4 and total % _query_block(total) in (0, *range(4, 256)), (rows, pad)
 
 
 @pytest.mark.parametrize("group", [3, 5])
 def test_attention_rows_of_long_blocks_are_each_a_single_token_pass(group):
     """A copying run verifies up to 65 rows at once. CPU flash attention takes query rows in blocks
-    of 32, and a last block of a single row (11 rows of 3 query heads each: 33) comes out with other
-    bits now and then (2 draws in 200 here): each such row count, and its neighbours, over 200 draws."""
+    of 32 (64 from 192 rows on), and a last block of a single row (11 rows of 3 query heads each: 33)
+    comes out with other bits now and then (2 draws in 200 here); padded calls avoid every small last
+    block: each row count up to 65, over 200 draws in the machine's fastest mode."""
     from backends.native.model import _attend_rows, key_mask
 
     kv_heads, head_dim, n_keys = 3, 64, 192
-    counts = {n + d for n in range(2, 66) if n * group % 32 == 1 for d in (-1, 0, 1)}
-    shared = _sharing_modes(kv_heads, group, head_dim)[-1]  # one call per row is checked above
-    for seed in range(200 if shared else 20):
+    rows = _row_modes(kv_heads, group, head_dim)[0]
+    counts = range(2, 66) if rows == "padded" else {n + d for n in range(2, 66) if n * group % 32 == 1 for d in (-1, 0, 1)}
+    for seed in range(200 if rows != "separate" else 20):
         g = torch.Generator().manual_seed(seed)
         scale = (0.5, 1.0, 3.0, 8.0)[seed % 4]
         cache = [(scale * torch.randn(1, kv_heads, n_keys, head_dim, generator=g)).bfloat16() for _ in range(2)]
         for n in sorted(counts):
             q = (scale * torch.randn(kv_heads * group, n, head_dim, generator=g)).bfloat16()
             ends = torch.full((n,), n_keys)
-            block = _attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, torch.bfloat16, (kv_heads, group)), shared)
-            one = _attend_rows(q[:, -1:], *cache, n_keys, key_mask(ends[-1:], n_keys, torch.bfloat16))
-            assert torch.equal(block[0, :, -1], one[0, :, 0]), (seed, n, shared)
+            block = _attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, torch.bfloat16, (kv_heads, group)), rows)
+            one = _attend_rows(q[:, -1:], *cache, n_keys, key_mask(ends[-1:], n_keys, torch.bfloat16), rows)
+            assert torch.equal(block[0, :, -1], one[0, :, 0]), (seed, n, rows)
 
 
 def test_compiled_graphs_check_the_first_layers_guards_only():
