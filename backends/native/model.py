@@ -258,7 +258,8 @@ def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask:
         mask = torch.cat([mask.expand(1, 1, R, n_keys), mask.new_zeros(1, 1, pad, n_keys)], dim=2)
         # a copy, not a view: whether the first R rows of R + pad are contiguous depends on pad,
         # which a compiled graph would guard on
-        out = F.scaled_dot_product_attention(x, k, v, attn_mask=mask)[:, :, :R].clone(memory_format=torch.contiguous_format)
+        out = F.scaled_dot_product_attention(x, k, v, attn_mask=mask)[:, :, :R]
+        out = out.clone(memory_format=torch.contiguous_format)
     elif n > 1 and R % _query_block(R) == 1:
         cut = (n - 1) * G
         out = torch.cat([F.scaled_dot_product_attention(x[:, :, :cut], k, v, attn_mask=mask[:, :, :cut]),
@@ -272,7 +273,7 @@ def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask:
 def attention_rows_mode(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype) -> str:
     """The first of ATTENTION_ROWS under which this machine's CPU attention kernel gives each row
     of a multi-row `_attend_rows` call the bits of a one-row call, checked on random blocks of
-    2..33 rows over 64..1088 keys (~0.04 s a mode, once per shape). A probe can only find a
+    2..33 rows over 64..1088 keys (0.04-0.2 s a mode, once per shape). A probe can only find a
     difference, not prove there is none, hence so many rows."""
     for rows in ATTENTION_ROWS[:-1]:
         if _rows_keep_their_bits(kv_heads, group, head_dim, dtype, rows):

@@ -250,7 +250,8 @@ def test_attention_rows_of_long_blocks_are_each_a_single_token_pass(group):
 
     kv_heads, head_dim, n_keys = 3, 64, 192
     rows = _row_modes(kv_heads, group, head_dim)[0]
-    counts = range(2, 66) if rows == "padded" else {n + d for n in range(2, 66) if n * group % 32 == 1 for d in (-1, 0, 1)}
+    counts = (range(2, 66) if rows == "padded"
+              else {n + d for n in range(2, 66) if n * group % 32 == 1 for d in (-1, 0, 1)})
     for seed in range(200 if rows != "separate" else 20):
         g = torch.Generator().manual_seed(seed)
         scale = (0.5, 1.0, 3.0, 8.0)[seed % 4]
