@@ -234,10 +234,12 @@ def _attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask:
       query heads: 33) goes another kernel path with other bits now and then, so it gets a call
       of its own (the machines this project was built on).
     - "padded": where a GEMM of 1-3 rows rounds differently from a larger one (MKL's bfloat16
-      GEMM on AMD EPYC, with or without AVX512-BF16: ~15% of rows differ in their last bit),
+      GEMM on an AMD EPYC with AVX2: ~15% of rows differ in their last bit; one with AVX512-BF16
+      differed as often, its cause not checked),
       zero query rows are added (_rows_to_pad) so that no query block is that small, single-token
       passes included (3 rows of SmolLM2 become 4): every row then comes from a GEMM of 4 or more
-      rows, at no measurable cost (1,024 keys: 3 rows 150-270 us, 4 rows 120-250 us).
+      rows, at no measurable cost (1,024 keys, one run: 3 rows 152 us, 4 rows 121 us; a one-token pass
+      of SmolLM2 padded or not within noise).
     - "separate": each row the call a single-token pass makes (the fallback; a row costs a call)."""
     H, n, hd = q.shape
     Hkv = cache_k.shape[1]
