@@ -7,7 +7,7 @@ import torch
 from backends.base import Sampling
 from backends.hf_reference import load_hf_model
 from backends.native.engine import TorchBackend
-from backends.native.model import ATTENTION_PAD, FINAL
+from backends.native.model import ATTENTION_PAD, FINAL, Linear
 from tests.native.tiny import LAYOUTS
 
 FP32_TOL = 1e-4  # max abs logit difference, float32 vs transformers float32 (logits are O(10))
@@ -160,11 +160,16 @@ def test_int4_prefill_runs_on_a_dense_copy_and_verify_rows_never_do(tiny_ggufs, 
 
     ids = engine.tokenize_chat(MESSAGES)
     assert len(ids) >= DENSE_MIN_ROWS
-    dense_prefill, _ = engine.forward(ids, 0)
     int4_prefill, _ = int4_only.forward(ids, 0)
-    assert not torch.equal(dense_prefill, int4_prefill)  # really another kernel...
-    diff = (dense_prefill - int4_prefill).abs()  # ...for the same weights (bfloat16 rounding apart)
-    assert diff.max() < 0.5 and diff.mean() < 0.05
+    for dtype in (torch.float32, torch.bfloat16):  # the copy multiplied as is, or widened (dense_compute_dtype)
+        for lin in engine.model.modules():
+            if isinstance(lin, Linear) and lin.dense is not None:
+                lin.dense_dtype = dtype
+        engine.truncate(0)
+        dense_prefill, _ = engine.forward(ids, 0)
+        assert not torch.equal(dense_prefill, int4_prefill)  # really another kernel...
+        diff = (dense_prefill - int4_prefill).abs()  # ...for the same weights (bfloat16 rounding apart)
+        assert diff.max() < 0.5 and diff.mean() < 0.05
 
     block = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
     assert len(block) >= DENSE_MIN_ROWS

@@ -98,12 +98,21 @@ def test_lookup_keeps_drafting_while_the_model_half_sits_out():
     drafter = LookupFirst(model, lookup_depth=3, n_min=1, n_max=2)
     assert drafter.sources == ("lookup", "mtp")
     drafter.paused = frozenset({"mtp"})
-    assert drafter.propose([1, 2, 3, 1, 2], 3) == Draft([3, 1, 2], source="lookup")
+    assert drafter.propose([1, 2, 3, 1, 2], 3) == Draft([3, 1], source="lookup")  # a 2-token match drafts 2
     assert drafter.propose([5, 6], 3) == Draft([]) and model.calls == 0
     drafter.paused = frozenset()
     assert drafter.propose([5, 6], 3) == Draft([7], source="mtp") and model.calls == 1
     drafter.paused = frozenset({"lookup"})
     assert drafter.propose([1, 2, 3, 1, 2], 3) == Draft([7], source="mtp")
+
+
+def test_lookup_drafts_to_its_own_depth_not_the_models():
+    model = Scripted()
+    drafter = LookupFirst(model, lookup_depth=4, n_min=1, n_max=4, model_depth=1)
+    drafter.plan_depth(1)  # the profile's depth: the model drafter's
+    assert drafter.propose([1, 2, 3, 4, 5, 6, 1, 2, 3, 4], 8) == Draft([5, 6, 1, 2], source="lookup")
+    assert drafter.propose([1, 2, 3, 4, 5, 6, 7, 2, 3, 4], 8) == Draft([5, 6, 7], source="lookup")
+    assert drafter.propose([9, 8], 8) == Draft([7], source="mtp")
 
 
 class SlowAndWrong(Drafter):

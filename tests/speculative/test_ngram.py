@@ -12,15 +12,25 @@ from tests.speculative.conftest import Counting, compare
 def test_proposes_what_followed_the_latest_longest_match():
     index = NgramIndex(1, 3)
     tokens = [5, 6, 7, 1, 5, 6, 8, 2, 9, 5, 6]
-    assert index.propose(tokens, 3) == [8, 2, 9]  # "5 6" last seen before position 6
-    assert index.propose(tokens + [8], 2) == [2, 9]  # "5 6 8" matches, longer than "6 8" or "8"
+    assert index.propose(tokens, 3) == [8, 2]  # "5 6" last seen before position 6
+    assert index.propose(tokens + [8], 3) == [2, 9, 5]  # "5 6 8" matches, longer than "6 8" or "8"
+    assert index.propose(tokens + [8], 2) == [2, 9]
     assert index.propose([1, 2, 3], 4) == []
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_a_match_of_n_tokens_proposes_at_most_n(n):
+    rng = random.Random(n)
+    text = [rng.randrange(1000, 2000) for _ in range(12)]
+    tokens = text + [7] * 3 + text[:n]  # the last n tokens stood at the start, and no more of them
+    assert NgramIndex(1, 4).propose(tokens, 8) == text[n:2 * n]
+    assert NgramIndex(1, 4).propose(tokens, 1) == text[n:n + 1]
 
 
 def test_index_follows_a_rollback():
     index = NgramIndex(1, 2)
-    assert index.propose([1, 2, 3, 1], 2) == [2, 3]
-    assert index.propose([4, 2, 4], 2) == [2, 4]  # rebuilt: nothing of [1, 2, 3, 1] is left
+    assert index.propose([1, 2, 3, 1], 2) == [2]  # a 1-token match drafts one token
+    assert index.propose([4, 2, 3, 4, 2], 2) == [3, 4]  # rebuilt: nothing of [1, 2, 3, 1] is left
 
 
 def copying(span: int, tail: int) -> list[int]:
