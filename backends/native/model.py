@@ -116,7 +116,7 @@ DENSE_MIN_ROWS = 8
 @functools.cache
 def dense_compute_dtype() -> torch.dtype:
     """What a many-row pass multiplies an int4 Linear's bfloat16 copy in: bfloat16 where this CPU's
-    bfloat16 GEMM is fast (AVX512-BF16 / AMX), else float32, the copy widened on the fly. Measured
+    bfloat16 GEMM is fast (native bfloat16 instructions), else float32, the copy widened on the fly. Measured
     once by timing both on a 64-row product. On an AVX2-only EPYC, SmolLM2-135M's matmuls for a
     789-token prefill took 11.2 s in bfloat16, 3.7 s on the int4 kernel and 1.8 s in float32."""
     x = torch.randn(64, 1024).to(torch.bfloat16)

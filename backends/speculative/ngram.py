@@ -5,9 +5,9 @@ tried first. Strong where the reply quotes its input: summaries, RAG answers, co
 
 A match of n tokens proposes at most n: the longer the match, the likelier what followed it comes
 again. In SmolLM2-135M's greedy replies to 48 Spec-Bench prompts (128 tokens) the first proposed
-token was right 23% of the time after a 1-token match, 42-51% after 2, 59-66% after 3 and 70-84%
-after 4-8; the second about half as often as the first after a 1-token match, two thirds after
-2-3 (`scripts/lookup_hit_rates.py`). With a strict verify pass of 1, 2, 3 drafted tokens costing
+token was right 24% of the time after a 1-token match, 47% after 2, 62% after 3, 71-84% after
+4-7 and 88% after 8 or more; the second about half as often as the first after a 1-token match,
+two thirds after 2-3 (`scripts/lookup_hit_rates.py`). With a strict verify pass of 1, 2, 3 drafted tokens costing
 1.15, 1.27, 1.45 single-token passes (eager, 2 AVX2 cores, ~900 cached tokens), a 1-token match
 pays for one drafted token but not for three.
 
