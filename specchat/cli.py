@@ -163,7 +163,7 @@ def cmd_bench(args) -> int:
         profiles, prompts, interleave=not args.sequential,
         on_load=lambda label: console.print(f"[bold]{label}[/bold]: loading…"),
         on_run=lambda label, r: console.print(
-            f"  {label} · {r.prompt.id} [{r.prompt.task}] {r.summary.tokens} tok "
+            f"  {label} · {r.prompt.id} \\[{r.prompt.task}] {r.summary.tokens} tok · TTFT {r.summary.ttft_s:.2f}s · "
             f"{r.summary.decode_tok_s:.1f} tok/s" + (f" · {r.summary.mean_accepted:.2f}/pass" if r.summary.drafts else ""),
             highlight=False),
         extra_rows=extra)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 import re
-import timeit
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -113,22 +112,17 @@ def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device, dtype: tor
 DENSE_MIN_ROWS = 8
 
 
-@functools.cache
 def dense_compute_dtype() -> torch.dtype:
-    """What a many-row pass multiplies an int4 Linear's bfloat16 copy in: bfloat16 where this CPU's
-    bfloat16 GEMM is fast (native bfloat16 instructions), else float32, the copy widened on the fly. Measured
-    once by timing both on a 64-row product. On an AVX2-only EPYC, SmolLM2-135M's matmuls for a
-    789-token prefill took 11.2 s in bfloat16, 3.7 s on the int4 kernel and 1.8 s in float32."""
-    x = torch.randn(64, 1024).to(torch.bfloat16)
-    w = torch.randn(1024, 1024).to(torch.bfloat16)
+    """What a many-row pass multiplies an int4 Linear's bfloat16 copy in: bfloat16 where this CPU
+    multiplies bfloat16 natively (AVX512-BF16 or AMX), else float32, the copy widened on the fly.
+    On an AVX2-only EPYC, bfloat16 GEMM is emulated: SmolLM2-135M's matmuls for a 789-token
+    prefill took 11.2 s in bfloat16, 3.7 s on the int4 kernel and 1.8 s in float32.
 
-    def best(f) -> float:
-        f()  # warm-up
-        return min(timeit.repeat(f, number=1, repeat=3))
-
-    bf16 = best(lambda: F.linear(x, w))
-    f32 = best(lambda: F.linear(x.float(), w.float()))
-    return torch.float32 if f32 < bf16 else torch.bfloat16
+    Decided by the CPU's flags, not by timing: the choice sets a prefill's arithmetic and so the
+    reply, which must not change from one run to the next on a machine (a timing probe on a busy
+    machine once picked bfloat16, and a prompt's reply and its prefill time changed with it)."""
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return torch.bfloat16 if any(f is not None and f() for f in native) else torch.float32
 
 
 class Linear(nn.Module):

@@ -146,6 +146,18 @@ def test_exact_rows_block_is_bitwise_equal_to_single_token_passes(tiny_ggufs, pr
     assert torch.equal(block_hidden[1], torch.cat([s[1][1] for s in singles]))
 
 
+def test_the_dense_copy_is_multiplied_in_bfloat16_only_on_cpus_with_bfloat16_instructions(monkeypatch):
+    """Chosen by the CPU's flags, never by a timing that a busy machine could flip: the choice
+    sets a prefill's arithmetic and so the reply."""
+    from backends.native.model import dense_compute_dtype
+
+    for avx512_bf16, amx, expected in ((False, False, torch.float32), (True, False, torch.bfloat16),
+                                       (False, True, torch.bfloat16)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        assert dense_compute_dtype() == expected
+
+
 def test_int4_prefill_runs_on_a_dense_copy_and_verify_rows_never_do(tiny_ggufs, monkeypatch):
     """Passes of DENSE_MIN_ROWS rows or more (prefill) use a bfloat16 copy of the int4 weights;
     exact rows (strict verification) stay on the int4 kernel, bit for bit single-token passes."""
