@@ -112,6 +112,7 @@ def _stats_line(s: Summary) -> str:
 
 def cmd_profiles(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     ps = load_profiles()
@@ -124,11 +125,12 @@ def cmd_profiles(args) -> int:
         table.add_column(col)
     for name, p in sorted(ps.profiles.items()):
         method = p.method_label if p.remote else p.method if p.method == "none" else f"{p.method} (depth {p.speculative.depth})"
-        table.add_row(name + (" *" if name == DEFAULT_PROFILE else ""), p.backend, method, p.model, p.description)
+        table.add_row(*map(escape, (name + (" *" if name == DEFAULT_PROFILE else ""), p.backend, method, p.model,
+                                     p.description)))
     console = Console()
     console.print(table)
     for name, msg in sorted(ps.errors.items()):
-        console.print(f"[red]broken[/red] {name}: {msg}", highlight=False, soft_wrap=True)
+        console.print(f"[red]broken[/red] {escape(name)}: {escape(msg)}", highlight=False, soft_wrap=True)
     return EXIT_OK
 
 
@@ -144,6 +146,7 @@ def cmd_pull(args) -> int:
 
 def cmd_bench(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from specchat import bench
     from specchat.prompts import load_prompts
@@ -163,7 +166,7 @@ def cmd_bench(args) -> int:
         profiles, prompts, interleave=not args.sequential,
         on_load=lambda label: console.print(f"[bold]{label}[/bold]: loading…"),
         on_run=lambda label, r: console.print(
-            f"  {label} · {r.prompt.id} \\[{r.prompt.task}] {r.summary.tokens} tok · TTFT {r.summary.ttft_s:.2f}s · "
+            f"  {label} · {r.prompt.id} " + escape(f"[{r.prompt.task}]") + f" {r.summary.tokens} tok · TTFT {r.summary.ttft_s:.2f}s · "
             f"{r.summary.decode_tok_s:.1f} tok/s" + (f" · {r.summary.mean_accepted:.2f}/pass" if r.summary.drafts else ""),
             highlight=False),
         extra_rows=extra)
@@ -212,6 +215,7 @@ def _default_prompts():
 
 def cmd_verify(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from specchat.live import speculation_note
     from specchat.loading import load_backend, messages_for, sampling_of
@@ -237,7 +241,7 @@ def cmd_verify(args) -> int:
             checks.append(PromptCheck(item, ref, out, verdict))
             mark = {"identical": "[green]✓[/green]", "near-tie": "[yellow]≈[/yellow]"}.get(verdict.kind, "[red]✗[/red]")
             note = speculation_note(out, "tokens/pass")
-            console.print(f"{mark} {item.id} [{item.task}] {verdict.line()}" + (f" · {note}" if note else ""))
+            console.print(f"{mark} {item.id} " + escape(f"[{item.task}] {verdict.line()}" + (f" · {note}" if note else "")))
     finally:
         spec.close()
         if args.reference:

@@ -47,10 +47,12 @@ def test_bench_json_per_subtask(tiny_profile, tmp_path, capsys):
     prompts.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"Question {i}"]})
                                  for i, c in enumerate(["qa", "qa", "rag", "rag"])))
     assert cli.main(["bench", "-p", tiny_profile, "--prompts", str(prompts), "--max-tokens", "5", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["rows"]
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)["rows"]
     assert [r["label"] for r in rows] == ["tiny"]
     assert rows[0]["prompts"] == 4 and set(rows[0]["by_task"]) == {"qa", "rag"}
     assert rows[0]["decode_tok_s"] > 0
+    assert "[qa]" in captured.err  # each prompt's line names its subtask
 
 
 @pytest.mark.slow

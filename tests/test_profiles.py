@@ -135,8 +135,13 @@ def test_cli_broken_profile_exits_2_with_one_line(user_dir, capsys):
     assert err.count("\n") == 1 and "sampling.max_tokens" in err and "Traceback" not in err
 
 
-def test_cli_profiles_lists_good_and_broken(user_dir, capsys):
+def test_cli_profiles_lists_good_and_broken(user_dir, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # no wrapped cells
     write(user_dir, "broken", "model: m\nbogus: 1\n")
+    write(user_dir, "unclosed", "model: m\nstop: [a\n")
+    write(user_dir, "beta", "extends: smollm2\ndescription: '[beta] [bold]my[/bold] test'\n")
     assert cli.main(["profiles"]) == 0
     out = capsys.readouterr().out
     assert "smollm2" in out and "broken" in out and "bogus" in out
+    # brackets are text, not rich markup: neither dropped nor an error
+    assert "[beta] [bold]my[/bold] test" in out and "expected ',' or ']'" in out
