@@ -144,6 +144,12 @@ def cmd_pull(args) -> int:
 
 # -------------------------------------------------------------------------------- bench
 
+def _bench_line(label: str, r) -> str:
+    s = r.summary
+    line = f"  {label} · {r.prompt.id} [{r.prompt.task}] {s.tokens} tok · TTFT {s.ttft_s:.2f}s · {s.decode_tok_s:.1f} tok/s"
+    return line + (f" · {s.mean_accepted:.2f}/pass" if s.drafts else "")
+
+
 def cmd_bench(args) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -165,10 +171,7 @@ def cmd_bench(args) -> int:
     results = bench.bench(
         profiles, prompts, interleave=not args.sequential,
         on_load=lambda label: console.print(f"[bold]{label}[/bold]: loading…"),
-        on_run=lambda label, r: console.print(
-            f"  {label} · {r.prompt.id} " + escape(f"[{r.prompt.task}]") + f" {r.summary.tokens} tok · TTFT {r.summary.ttft_s:.2f}s · "
-            f"{r.summary.decode_tok_s:.1f} tok/s" + (f" · {r.summary.mean_accepted:.2f}/pass" if r.summary.drafts else ""),
-            highlight=False),
+        on_run=lambda label, r: console.print(escape(_bench_line(label, r)), highlight=False),
         extra_rows=extra)
     if args.json:
         print(json.dumps(bench.to_json(results)))
