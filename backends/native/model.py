@@ -119,7 +119,7 @@ def dense_compute_dtype() -> torch.dtype:
     prefill took 11.2 s in bfloat16, 3.7 s on the int4 kernel and 1.8 s in float32.
 
     Decided by the CPU's flags, not by timing: the choice sets a prefill's arithmetic and so the
-    reply, which must not change from one run to the next on a machine (a timing probe on a busy
+    reply, which must not change from one run to the next on a machine (a timing probe on a shared
     machine once picked bfloat16, and a prompt's reply and its prefill time changed with it)."""
     native = getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None)
     return torch.bfloat16 if any(f is not None and f() for f in native) else torch.float32
