@@ -147,7 +147,7 @@ def test_exact_rows_block_is_bitwise_equal_to_single_token_passes(tiny_ggufs, pr
 
 
 def test_the_dense_copy_is_multiplied_in_bfloat16_only_on_cpus_with_bfloat16_instructions(monkeypatch):
-    """Chosen by the CPU's flags, never by a timing that a busy machine could flip: the choice
+    """Chosen by the CPU's flags, never by a timing that a shared machine could flip: the choice
     sets a prefill's arithmetic and so the reply."""
     from backends.native.model import dense_compute_dtype
 

@@ -42,7 +42,9 @@ class Loader:
         return b() if callable(b) else b
 
 
-async def wait_until(pilot, predicate, timeout: float = 5.0, what: str = "condition"):
+async def wait_until(pilot, predicate, timeout: float = 30.0, what: str = "condition"):
+    """Poll until predicate() holds. The timeout only bounds a real failure: a 2-core machine under
+    load (the whole suite running) once took over 5 s to open the A/B screen."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while not predicate():

@@ -83,7 +83,7 @@ def ab_app(spec_backend, ref_backend, **kw):
 async def run_ab(pilot, app, prompt="compare"):
     await wait_until(pilot, lambda: isinstance(app.screen, ABScreen) and app.screen.ready, what="A/B ready")
     await type_and_send(pilot, "#ab-prompt", prompt)
-    await wait_until(pilot, lambda: app.screen.verdict is not None, timeout=8, what="verdict")
+    await wait_until(pilot, lambda: app.screen.verdict is not None, what="verdict")
     return app.screen
 
 
