@@ -234,7 +234,7 @@ def decode_stream(tokens: Iterator[int], *, prompt_tokens: int, sampling: Sampli
     """Target-only streaming around a lazy iterator of sampled tokens (one model pass each),
     with the stop rules every backend shares: end of sequence, max tokens, a full context,
     cancellation. The iterator is only advanced when another token is wanted."""
-    from backends.detok import IncrementalDetokenizer
+    from .detok import IncrementalDetokenizer
 
     stats = StreamStats(prompt_tokens=prompt_tokens)
     detok = IncrementalDetokenizer(detokenize)

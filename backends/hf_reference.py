@@ -13,9 +13,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from backends.base import Backend, BackendError, Event, Request, Sampling, decode_stream
-from backends.native import sampling as sampler
-from backends.native.tokenizer import ChatTokenizer
+from .base import Backend, BackendError, Event, Request, Sampling, decode_stream
+from .cpu import thread_count
+from .native import sampling as sampler
+from .native.tokenizer import ChatTokenizer
 
 
 def load_hf_model(path: Path, dtype: torch.dtype = torch.float32):
@@ -36,7 +37,7 @@ def load_hf_model(path: Path, dtype: torch.dtype = torch.float32):
     return model.to(dtype).eval()
 
 
-def _cache_kwargs(out) -> dict:
+def cache_kwargs(out) -> dict:
     """transformers 5.x names the KV cache `cache`; 4.x called it `past_key_values`."""
     return {"cache": out["cache"]} if "cache" in out else {"past_key_values": out.past_key_values}
 
@@ -44,24 +45,14 @@ def _cache_kwargs(out) -> dict:
 class TransformersBackend(Backend):
     name = "transformers"
 
-    def __init__(self, model_path: str | Path, *, dtype: str = "float32", threads: int = 0, context: int = 2048):
-        from backends.native.engine import physical_cores
-
+    def __init__(self, model_path: str | Path, *, dtype: str = "float32", threads: int = 0, context: int = 2048,
+                 cache_dir: Path | None = None):
         path = Path(model_path)
-        torch.set_num_threads(threads or physical_cores())
+        torch.set_num_threads(thread_count(threads))
         self.model = load_hf_model(path, getattr(torch, dtype))
-        self.tokenizer = ChatTokenizer(path)
+        self.tokenizer = ChatTokenizer(path, cache_dir)
         self.eos_ids = self.tokenizer.eos_ids
         self._context = context
-
-    @classmethod
-    def from_profile(cls, profile) -> "TransformersBackend":
-        from specchat.models import fetch_hub, resolve_model
-
-        ref = resolve_model(profile.model, profile.base_dir)
-        path = fetch_hub(ref.location) if ref.kind == "hub" else ref.path
-        dtype = "float32" if profile.dtype == "auto" else profile.dtype
-        return cls(path, dtype=dtype, threads=profile.threads, context=profile.context)
 
     @property
     def context_length(self) -> int:
@@ -84,7 +75,7 @@ class TransformersBackend(Backend):
             while True:
                 token = int(sampler.sample(out.logits[0, -1:].float(), [pos], sampling)[0])
                 yield token
-                out = self.model(torch.tensor([[token]]), **_cache_kwargs(out), use_cache=True)
+                out = self.model(torch.tensor([[token]]), **cache_kwargs(out), use_cache=True)
                 pos += 1
 
         return decode_stream(tokens(), prompt_tokens=len(prompt), sampling=sampling, context_length=self._context,

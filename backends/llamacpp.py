@@ -2,22 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from backends.base import Backend, BackendError, Event, Request, Sampling, decode_stream
-
-
-def default_threads() -> int:
-    """Physical cores where we can tell (hyperthreads slow decoding down), else all CPUs."""
-    try:
-        import psutil  # optional
-
-        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    except ImportError:
-        return os.cpu_count() or 1
+from .base import Backend, BackendError, Event, Request, Sampling, decode_stream
+from .cpu import thread_count
 
 
 _PROBE = r"""
@@ -27,32 +19,37 @@ llm.eval(llm.tokenize(b"probe the batch path", add_bos=False))
 """
 
 
-def extra_buffers_work(gguf_path: Path) -> bool:
+def extra_buffers_work(gguf_path: Path, cache_dir: Path | None = None) -> bool:
     """Whether llama.cpp's extra CPU buffer types (AMX, repacked weights) survive a batched eval.
 
     A native build can pick the AMX path on CPUs that advertise AMX where it then segfaults on
-    any multi-token batch (seen on this project's CI machines). We probe once per llama.cpp
-    version in a child process and remember the answer; without them llama.cpp stays correct,
-    just without those kernels."""
-    import subprocess
-    import sys
-
+    any multi-token batch. We probe once per llama.cpp version in a child process and remember
+    the answer (in `cache_dir` across processes, when given); without them llama.cpp stays
+    correct, just without those kernels."""
     import llama_cpp
 
-    from specchat import paths
-
-    marker = paths.cache_dir() / f"llamacpp-{llama_cpp.__version__}-extra-buffers"
+    if cache_dir is None:
+        return _probe(str(gguf_path))
+    marker = Path(cache_dir) / f"llamacpp-{llama_cpp.__version__}-extra-buffers"
     ok_file, broken_file = Path(f"{marker}.ok"), Path(f"{marker}.broken")
     if ok_file.exists() or broken_file.exists():
         return ok_file.exists()
-    done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf_path)], capture_output=True, timeout=300)
-    ok = done.returncode == 0
+    ok = _probe(str(gguf_path))
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
     (ok_file if ok else broken_file).touch()
     return ok
 
 
+@functools.cache
+def _probe(gguf_path: str) -> bool:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", _PROBE, gguf_path], capture_output=True, timeout=300).returncode == 0
+
+
 @contextlib.contextmanager
-def _without_extra_buffers():
+def without_extra_buffers():
     """llama-cpp-python has no argument for `use_extra_bufts`; switch the default off while loading."""
     import llama_cpp.llama as module
 
@@ -86,7 +83,8 @@ def _quiet_stderr():
 class LlamaCppBackend(Backend):
     name = "llamacpp"
 
-    def __init__(self, gguf_path: str | Path, context: int = 2048, threads: int = 0, seed: int = 0):
+    def __init__(self, gguf_path: str | Path, context: int = 2048, threads: int = 0, seed: int = 0,
+                 cache_dir: Path | None = None):
         try:
             from llama_cpp import Llama, llama_chat_format
         except ImportError:
@@ -94,10 +92,10 @@ class LlamaCppBackend(Backend):
         path = Path(gguf_path)
         if not path.is_file():
             raise BackendError(f"{path}: no such GGUF file; fix `model:` in the profile")
-        self.threads = threads or default_threads()
-        safe = extra_buffers_work(path)
+        self.threads = thread_count(threads)
+        safe = extra_buffers_work(path, cache_dir)
         try:
-            with _quiet_stderr(), (contextlib.nullcontext() if safe else _without_extra_buffers()):
+            with _quiet_stderr(), (contextlib.nullcontext() if safe else without_extra_buffers()):
                 self.llm = Llama(model_path=str(path), n_ctx=context, n_threads=self.threads,
                                  n_threads_batch=self.threads, seed=seed, verbose=False)
         except ValueError as e:
@@ -116,16 +114,6 @@ class LlamaCppBackend(Backend):
         )
         self._vocab = model.vocab
         self.path = path
-
-    @classmethod
-    def from_profile(cls, profile) -> "LlamaCppBackend":
-        from specchat.models import resolve_model
-
-        ref = resolve_model(profile.model, profile.base_dir)
-        if ref.kind != "gguf":
-            raise BackendError(f"profile '{profile.name}': backend llamacpp needs a GGUF file, "
-                               f"but model '{profile.model}' is a {ref.kind}; use backend: torch")
-        return cls(ref.location, context=profile.context, threads=profile.threads, seed=profile.sampling.seed)
 
     @property
     def context_length(self) -> int:

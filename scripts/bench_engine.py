@@ -53,7 +53,9 @@ def weight_bytes_per_token(model) -> int:
     if model.argmax_head is not None:
         total += model.argmax_head.q.numel() + 2 * model.argmax_head.scale.numel()
     heads = [] if model.argmax_head is not None else [model.head]
-    for lin in [b for blk in model.blocks for b in (blk.qkv, blk.o, blk.gate_up, blk.down)] + heads:
+    matmuls = [m for layer in model.layers for m in (layer.attention.qkv, layer.attention.o, layer.mlp.gate_up,
+                                                     layer.mlp.down)]
+    for lin in matmuls + heads:
         if lin.int4 is not None:
             packed, sz, _ = lin.int4
             total += packed.numel() * packed.element_size() + sz.numel() * sz.element_size()
@@ -65,13 +67,15 @@ def weight_bytes_per_token(model) -> int:
 def run_torch(model_path: str, precision: str, tokens: int, threads: int, repeats: int) -> dict:
     import torch
 
-    from backends.base import Request, Sampling, run_to_summary
-    from backends.native.engine import TorchBackend
+    from specchat import paths
+    from specchat.backends.base import Request, Sampling, run_to_summary
+    from specchat.backends.native.engine import TorchBackend
 
     row = f"torch:{precision}"
     precision, _, flag = precision.partition("+")  # torch:int4+compile: the compiled decode graphs
     t = time.perf_counter()
-    engine = TorchBackend(model_path, precision=precision, threads=threads, context=1024, compile=flag == "compile")
+    engine = TorchBackend(model_path, precision=precision, threads=threads, context=1024, compile=flag == "compile",
+                          cache_dir=paths.cache_dir())
     load_s = time.perf_counter() - t
     engine.eos_ids = frozenset()  # forced length
     best, best_mean = 0.0, 0.0
@@ -101,15 +105,16 @@ def run_torch(model_path: str, precision: str, tokens: int, threads: int, repeat
 def run_transformers(model_path: str, dtype: str, tokens: int, threads: int, repeats: int) -> dict:
     import torch
 
-    from backends.hf_reference import load_hf_model
-    from backends.native.engine import physical_cores
-    from backends.native.tokenizer import ChatTokenizer
+    from specchat.backends.hf_reference import load_hf_model
+    from specchat import paths
+    from specchat.backends.cpu import thread_count
+    from specchat.backends.native.tokenizer import ChatTokenizer
 
-    torch.set_num_threads(threads or physical_cores())
+    torch.set_num_threads(thread_count(threads))
     t = time.perf_counter()
     model = load_hf_model(Path(model_path), getattr(torch, dtype))
     load_s = time.perf_counter() - t
-    ids = torch.tensor([ChatTokenizer(Path(model_path)).encode_chat(PROMPT)])
+    ids = torch.tensor([ChatTokenizer(Path(model_path), paths.cache_dir()).encode_chat(PROMPT)])
 
     from transformers.generation.streamers import BaseStreamer
 

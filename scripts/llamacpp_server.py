@@ -33,7 +33,9 @@ def main(argv=None) -> int:
     from llama_cpp.server.app import create_app
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    from backends.llamacpp import _without_extra_buffers, default_threads, extra_buffers_work
+    from specchat.backends.cpu import thread_count
+    from specchat.backends.llamacpp import without_extra_buffers, extra_buffers_work
+    from specchat import paths
     from specchat.models import pull
 
     model = Path(args.model) if args.model else pull(progress=False)
@@ -41,11 +43,11 @@ def main(argv=None) -> int:
     if args.api_key_env and not api_key:
         print(f"llamacpp_server: ${args.api_key_env} is not set", file=sys.stderr)
         return 2
-    threads = args.threads or default_threads()
+    threads = thread_count(args.threads)
     server = ServerSettings(host=args.host, port=args.port, api_key=api_key)
     settings = ModelSettings(model=str(model), model_alias=args.alias, n_ctx=args.n_ctx, n_threads=threads,
                              n_threads_batch=threads, verbose=False)
-    with contextlib.nullcontext() if extra_buffers_work(model) else _without_extra_buffers():
+    with contextlib.nullcontext() if extra_buffers_work(model, paths.cache_dir()) else without_extra_buffers():
         app = create_app(server_settings=server, model_settings=[settings])  # loads the model now
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -75,7 +75,7 @@ def pass_costs(engine, sequence: list[int], sampling) -> list[float]:
         for k in range(DEPTHS + 1):
             engine.truncate(base)
             t0 = time.perf_counter()
-            states, _ = engine.forward(sequence[base:base + k + 1], base, exact_rows=True, head=False)
+            states, _ = engine.forward(sequence[base:base + k + 1], base, row_exact=True, head=False)
             engine.choose(states, list(range(base + 1, base + k + 2)), sampling)
             best[k] = min(best[k], time.perf_counter() - t0)
     return best
@@ -85,9 +85,8 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from backends.base import Request, Step
-    from backends.native.engine import TorchBackend
-    from specchat.loading import messages_for, sampling_of
+    from specchat.backends.base import Request, Step
+    from specchat.loading import load_target, messages_for, sampling_of
     from specchat.profiles import load_profiles
     from specchat.prompts import load_prompts
 
@@ -100,7 +99,7 @@ def main() -> int:
     args = ap.parse_args()
 
     profile = load_profiles().get(args.profile).target_only()
-    engine = TorchBackend.from_profile(profile)
+    engine = load_target(profile)
     engine.warm_up()
     sampling = replace(sampling_of(profile), max_tokens=args.max_tokens)
     console = Console(stderr=True)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional
 
-from backends.base import Backend, Request, Summary, run_to_summary
+from specchat.backends.base import Backend, Request, Summary, run_to_summary
 from specchat.loading import load_backend, messages_for, sampling_of
 from specchat.models import NAMED_MODELS
 from specchat.profiles import Profile

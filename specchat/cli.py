@@ -11,7 +11,7 @@ import sys
 import threading
 from typing import Optional
 
-from backends.base import BackendError, Request, Summary
+from specchat.backends.base import BackendError, Request, Summary
 from specchat.profiles import DEFAULT_PROFILE, ProfileError, load_profiles
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
@@ -162,12 +162,12 @@ def cmd_bench(args) -> int:
     console = Console(stderr=True)
     extra = []
     if args.transformers:
-        from backends.hf_reference import TransformersBackend
+        from specchat.loading import load_transformers
 
         base = next((p for p in profiles if p.backend == "torch"), profiles[0]).target_only()
         for dtype in args.transformers:
             ref = base.model_copy(update={"name": f"transformers-{dtype}", "dtype": dtype})
-            extra.append((ref.name, lambda ref=ref: TransformersBackend.from_profile(ref), ref))
+            extra.append((ref.name, lambda ref=ref: load_transformers(ref), ref))
     results = bench.bench(
         profiles, prompts, interleave=not args.sequential,
         on_load=lambda label: console.print(f"[bold]{label}[/bold]: loading…"),

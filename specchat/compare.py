@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from backends.base import STOP_CANCELLED
+from specchat.backends.base import STOP_CANCELLED
 
 IDENTICAL = "identical"
 NEAR_TIE = "near-tie"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from backends.base import BackendError
+from specchat.backends.base import BackendError
 from specchat.bench import ProfileResult, Run, run_one, speedup, warm_up
 from specchat.profiles import Profile
 from specchat.prompts import PromptItem
@@ -73,10 +73,10 @@ def check(profile: Profile) -> None:
 
 def run_ladder(profile: Profile, depths: list[int], prompts: list[PromptItem],
                on_run: Callable[[str, Run], None] = lambda label, r: None) -> Ladder:
-    from backends.speculative.backend import SpeculativeBackend
+    from specchat.loading import load_speculative
 
     check(profile)
-    spec = SpeculativeBackend.from_profile(profile)
+    spec = load_speculative(profile)
     spec.adaptive = False  # each rung drafts at its depth on every pass, so the rungs measure the depth
     most = spec.drafter.max_depth
     if most is not None and max(depths) > most:

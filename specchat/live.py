@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from backends.base import NO_SPEC_METRICS, Backend, BackendError, Request, Sampling, Step, Summary, tally_positions
+from specchat.backends.base import NO_SPEC_METRICS, Backend, BackendError, Request, Sampling, Step, Summary, tally_positions
 
 
 @dataclass

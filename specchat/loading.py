@@ -1,7 +1,16 @@
-"""From a profile to a running backend."""
+"""From a profile to a running backend: the one place where a profile becomes engine arguments.
+
+Engines take paths and settings; this module resolves the profile's model and drafter (named
+models pulled, hub ids downloaded, paths relative to the profile's file), picks the backend, and
+hands each engine only what it needs.
+"""
 from __future__ import annotations
 
-from backends.base import Backend, Sampling
+from pathlib import Path
+
+from specchat import paths
+from specchat.backends.base import Backend, BackendError, Sampling
+from specchat.models import local_model
 from specchat.profiles import Profile
 
 
@@ -13,20 +22,92 @@ def sampling_of(profile: Profile) -> Sampling:
 def load_backend(profile: Profile) -> Backend:
     """Load the model a profile names. Raises BackendError (one line) for anything the user can fix."""
     if profile.backend == "openai":
-        from backends.openai import OpenAIBackend
-
-        return OpenAIBackend.from_profile(profile)
+        return load_server(profile)
     if profile.backend == "llamacpp":
-        from backends.llamacpp import LlamaCppBackend
-
-        return LlamaCppBackend.from_profile(profile)
+        return load_llamacpp(profile)
     if profile.method != "none":
-        from backends.speculative.backend import SpeculativeBackend
+        return load_speculative(profile)
+    return load_target(profile)
 
-        return SpeculativeBackend.from_profile(profile)
-    from backends.native.engine import TorchBackend
 
-    return TorchBackend.from_profile(profile)
+def target_path(profile: Profile) -> tuple[Path, str]:
+    """The target's weights on this machine and their kind (gguf or hf_dir)."""
+    return local_model(profile.model, profile.base_dir)
+
+
+def load_target(profile: Profile, **changes):
+    """The profile's target on the torch engine, target-only (`changes`: engine settings to replace,
+    e.g. context=...)."""
+    from specchat.backends.native.engine import TorchBackend
+
+    path, kind = target_path(profile)
+    settings = dict(precision=profile.dtype, device=profile.device, threads=profile.threads,
+                    context=profile.context, compile=profile.compile, cache_dir=paths.cache_dir())
+    return TorchBackend(path, kind, **(settings | changes))
+
+
+def speculative_settings(profile: Profile):
+    """The profile's `speculative:` section for the engine, its drafter resolved to a local path
+    (an MTP profile without a drafter uses the target's own checkpoint)."""
+    from specchat.backends.speculative.backend import SpeculativeSettings
+
+    spec = profile.speculative
+    drafter, kind = (local_model(spec.drafter, profile.base_dir) if spec.drafter
+                     else target_path(profile) if spec.method == "mtp" else (None, "auto"))
+    return SpeculativeSettings(
+        method=spec.method, drafter=drafter, drafter_kind=kind, depth=spec.depth, acceptance=spec.acceptance,
+        ngram_min=spec.ngram_min, ngram_max=spec.ngram_max, lookup=spec.lookup, copy_depth=spec.copy_depth,
+        strict=spec.strict, adaptive=spec.adaptive, mtp_hidden=spec.mtp_hidden)
+
+
+def load_speculative(profile: Profile):
+    from specchat.backends.speculative.backend import SpeculativeBackend, check_builtin_mtp
+
+    settings = speculative_settings(profile)
+    try:
+        if settings.method == "mtp" and not profile.speculative.drafter:
+            check_builtin_mtp(settings.drafter)  # before loading a big target for a head it cannot use
+        return SpeculativeBackend.load(load_target(profile), settings)
+    except BackendError as e:
+        raise BackendError(f"profile '{profile.name}': {e}") from None
+
+
+def load_llamacpp(profile: Profile):
+    from specchat.backends.llamacpp import LlamaCppBackend
+
+    path, kind = target_path(profile)
+    if kind != "gguf":
+        raise BackendError(f"profile '{profile.name}': backend llamacpp needs a GGUF file, "
+                           f"but model '{profile.model}' is a {kind}; use backend: torch")
+    return LlamaCppBackend(path, context=profile.context, threads=profile.threads, seed=profile.sampling.seed,
+                           cache_dir=paths.cache_dir())
+
+
+def load_server(profile: Profile):
+    from specchat.backends.openai import OpenAIBackend
+    from specchat.backends.openai.backend import api_key_from_env
+
+    server = profile.server
+    where = f"profile '{profile.name}'"
+    backend = OpenAIBackend(server.base_url, profile.model, api_key=api_key_from_env(server.api_key_env, where),
+                            api_key_env=server.api_key_env, timeout_s=server.timeout_s, metrics=server.metrics,
+                            logprobs=server.logprobs, stream=server.stream, context=profile.context, where=where)
+    try:
+        backend.check_server()
+    except BaseException:
+        backend.close()
+        raise
+    return backend
+
+
+def load_transformers(profile: Profile):
+    """transformers' own model of the profile's target (a reference row in `specchat bench`)."""
+    from specchat.backends.hf_reference import TransformersBackend
+
+    path, _ = target_path(profile)
+    dtype = "float32" if profile.dtype == "auto" else profile.dtype
+    return TransformersBackend(path, dtype=dtype, threads=profile.threads, context=profile.context,
+                               cache_dir=paths.cache_dir())
 
 
 def messages_for(profile: Profile, history: list[dict], system: str | None = None) -> list[dict]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from backends.base import BackendError
+from specchat.backends.base import BackendError
 from specchat import paths
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -188,6 +188,15 @@ def resolve_model(spec: str, base_dir: Path | None = None, fetch: bool = True) -
         return ModelRef("hub", spec)
     raise BackendError(f"model '{spec}': no such file or directory, and not a known model name "
                        f"({', '.join(NAMED_MODELS)}) or hub id")
+
+
+def local_model(spec: str, base_dir: Path | None = None) -> tuple[Path, str]:
+    """A profile's `model:` (or `drafter:`) as a local path and its kind (gguf or hf_dir): named
+    models pulled into the cache, hub ids downloaded, paths relative to `base_dir`."""
+    ref = resolve_model(spec, base_dir)
+    if ref.kind == "hub":
+        return fetch_hub(ref.location), "hf_dir"
+    return ref.path, ref.kind
 
 
 def fetch_hub(repo_id: str) -> Path:

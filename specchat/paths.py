@@ -4,7 +4,6 @@ Each can be moved with an environment variable, which tests use to stay out of t
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -36,15 +35,6 @@ def user_profiles_dir() -> Path:
 
 
 def shipped_profiles_dir() -> Path:
-    import profiles  # the package of shipped YAML profiles
+    from specchat import shipped_profiles  # the profiles/ folder of the source tree
 
-    return Path(profiles.__path__[0])
-
-
-def derived_cache_path(kind: str, source: Path, *versions: str, suffix: str = "") -> Path:
-    """Where something derived from the file `source` is cached: under cache_dir()/kind, named by
-    the file's path, size and modification time and the `versions` of whatever derived it, so a
-    changed file (or a new version of the tool) gets a fresh entry."""
-    st = source.stat()
-    key = "|".join([str(source.resolve()), str(st.st_size), str(st.st_mtime_ns), *versions])
-    return cache_dir() / kind / (hashlib.sha256(key.encode()).hexdigest()[:24] + suffix)
+    return Path(shipped_profiles.__path__[0])

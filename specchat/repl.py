@@ -16,7 +16,7 @@ from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import WordCompleter
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 
-from backends.base import Backend, BackendError, Request, Summary
+from specchat.backends.base import Backend, BackendError, Request, Summary
 from specchat import loading, paths
 from specchat.compare import near_tie_margin
 from specchat.conversation import Conversation

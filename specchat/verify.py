@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from backends.base import Backend, Request, Sampling, Summary, run_to_summary
+from specchat.backends.base import Backend, Request, Sampling, Summary, run_to_summary
 from specchat.compare import MISMATCH, NEAR_TIE, Verdict, judge_text, judge_tokens, near_tie_margin
 from specchat.prompts import PromptItem
 
 
 def torch_engine_of(backend: Backend):
     """The TorchBackend behind a backend (itself, or the target of a speculative one), if any."""
-    from backends.native.engine import TorchBackend
+    from specchat.backends.native.engine import TorchBackend
 
     if isinstance(backend, TorchBackend):
         return backend
@@ -26,7 +26,7 @@ def reference_scores(engine, prompt: Sequence[int], reply: Sequence[int], sampli
     logits (greedy), or tempered, filtered logits plus that position's Gumbel noise. Recomputed
     with exactly the arithmetic of target-only decoding: the prompt in one pass from an empty
     cache, then one token per pass."""
-    from backends.native import sampling as sampler
+    from specchat.backends.native import sampling as sampler
 
     engine.truncate(0)
     logits = engine.prefill(list(prompt))

@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Iterator, Sequence
 
-from backends.base import (STOP_CANCELLED, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendError, Event, Request,
+from specchat.backends.base import (STOP_CANCELLED, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendError, Event, Request,
                            Sampling, Step, StreamStats)
 
 _VOCAB: dict[str, int] = {}

@@ -1,5 +1,5 @@
-from backends.base import Step, StreamStats, Summary
-from backends.detok import IncrementalDetokenizer
+from specchat.backends.base import Step, StreamStats, Summary
+from specchat.backends.detok import IncrementalDetokenizer
 
 
 def test_stats_follow_vllm_definitions():

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from backends.base import BackendError
+from specchat.backends.base import BackendError
 from specchat import cli, ladder
 from tests.native.tiny import add_mtp_head, make_hf_checkpoint
 

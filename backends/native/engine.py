@@ -8,7 +8,6 @@ differs from the previous one.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -17,17 +16,19 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from backends.base import Backend, BackendError, Event, Request, Sampling, decode_stream
-from backends.native import sampling as sampler
-from backends.native.model import Transformer
-from backends.native.tokenizer import ChatTokenizer
-from backends.native.weights import Checkpoint, Int4Rows, build_model, load_hf_dir
+from ..base import Backend, BackendError, Event, Request, Sampling, decode_stream
+from ..cpu import thread_count
+from . import sampling as sampler
+from .model import Transformer
+from .tokenizer import ChatTokenizer
+from .int4 import Int4Rows
+from .weights import Checkpoint, build_model, load_hf_dir
 
 # What the torch engine computes with: a torch dtype for everything, or "int4": GGUF Q4_0/Q4_1
 # matrices on torch's group-wise int4 kernel with bfloat16 activations (CPU only).
 PRECISIONS = ("float32", "bfloat16", "float16", "int4")
-# Precisions whose CPU matmul kernels give each row the same bits whatever the number of rows, so
-# `forward(..., exact_rows=True)` over K tokens equals K single-token passes bit for bit.
+# Precisions whose CPU matmul kernels are row-invariant, so that a row-exact pass over K tokens
+# equals K single-token passes bit for bit (exact_rows.py).
 ROW_INVARIANT_PRECISIONS = ("bfloat16", "int4")
 
 
@@ -41,27 +42,11 @@ def _is_compiler_error(e: BaseException | None) -> bool:
     return False
 
 
-def physical_cores() -> int:
-    """Distinct (package, core) pairs in /proc/cpuinfo; hyperthreads only slow matmuls down."""
-    try:
-        pairs, package = set(), "0"
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "physical id":
-                    package = value.strip()
-                elif key.strip() == "core id":
-                    pairs.add((package, value.strip()))
-        return len(pairs) or os.cpu_count() or 1
-    except OSError:
-        return os.cpu_count() or 1
-
-
-def load_checkpoint(path: Path, kind: str, keep_int4: bool) -> Checkpoint:
+def load_checkpoint(path: Path, kind: str, keep_int4: bool, cache_dir: Path | None = None) -> Checkpoint:
     if kind == "gguf":
-        from backends.native.gguf_loader import load_gguf
+        from .gguf_loader import load_gguf
 
-        return load_gguf(path, keep_int4=keep_int4)
+        return load_gguf(path, keep_int4=keep_int4, cache_dir=cache_dir)
     return load_hf_dir(path)
 
 
@@ -85,8 +70,16 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, model_path: str | Path, kind: str = "auto", *, precision: str = "auto",
-                 device: str = "auto", threads: int = 0, context: int = 2048, compile: bool = False):
+                 device: str = "auto", threads: int = 0, context: int = 2048, compile: bool = False,
+                 cache_dir: Path | None = None):
+        """`kind`: gguf, hf_dir or auto (by the path); `precision`: one of PRECISIONS or auto;
+        `threads`: 0 for every physical core; `context`: the KV cache's positions (at most the
+        model's own limit); `compile`: torch.compile the decode passes; `cache_dir`: where files
+        derived from a GGUF (its tokenizer, its tensor index) are kept between loads."""
         path = Path(model_path)
+        # what a drafter model loaded beside this target is loaded with (see speculative/methods.py)
+        self.settings = dict(precision=precision, device=device, threads=threads, context=context,
+                             compile=compile, cache_dir=cache_dir)
         if kind == "auto":
             kind = "gguf" if path.suffix.lower() == ".gguf" else "hf_dir"
         if precision not in PRECISIONS + ("auto",):
@@ -96,9 +89,10 @@ class TorchBackend(Backend):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise BackendError("device 'cuda' requested but this torch has no CUDA device; set device: cpu")
         self.device = torch.device(device)
-        torch.set_num_threads(threads or physical_cores())
+        torch.set_num_threads(thread_count(threads))
         started = time.perf_counter()
-        ck = load_checkpoint(path, kind, keep_int4=precision in ("auto", "int4") and self.device.type == "cpu")
+        ck = load_checkpoint(path, kind, keep_int4=precision in ("auto", "int4") and self.device.type == "cpu",
+                             cache_dir=cache_dir)
         self.precision = choose_precision(precision, self.device, ck)
         if self.precision == "int4" and self.device.type != "cpu":
             raise BackendError("precision int4 runs on CPU only; use bfloat16 on CUDA")
@@ -107,7 +101,7 @@ class TorchBackend(Backend):
         self.model: Transformer = build_model(ck, dtype, self._context, int4=self.precision == "int4",
                                               device=self.device)
         del ck
-        self.tokenizer = ChatTokenizer(path)
+        self.tokenizer = ChatTokenizer(path, cache_dir)
         self.eos_ids: frozenset[int] = self.tokenizer.eos_ids
         self.cached: list[int] = []  # token ids whose keys/values are in the cache, in order
         if self.device.type == "cpu" and compile and self.precision in ROW_INVARIANT_PRECISIONS:
@@ -121,10 +115,10 @@ class TorchBackend(Backend):
         """Compile now, not in the middle of the first reply: the one-row and the K-row graphs
         (with every layer's output too when `hidden`, as DFlash's taps need). Leaves the cache empty.
         Positions and row counts are chosen unequal so that dynamo ties no symbols together."""
-        if not self.model.compiled_rows:
+        if self.model.compiled is None:
             return
-        from backends.native.model import padded_span
-        from backends.native.weights import progress
+        from .exact_rows import key_span
+        from .weights import progress
 
         layers = (0,) if hidden else ()
         label = "compiling decode graphs (minutes on a first start, then cached: ~25 s)"
@@ -134,9 +128,9 @@ class TorchBackend(Backend):
                 self.forward([0] * 5, 0)
                 self.forward([0], 5, layers)
                 advance(1)
-                # exact verify rows, where they can be compiled: rows 6..8 in one row group
-                if self.rows_bitwise and padded_span(7, self.model.max_len) == padded_span(9, self.model.max_len):
-                    self.forward([0] * 3, 6, layers, exact_rows=True)
+                # row-exact verify blocks, where they can be compiled: rows 6..8 in one row group
+                if self.row_exact_supported and key_span(7, self.model.max_len) == key_span(9, self.model.max_len):
+                    self.forward([0] * 3, 6, layers, row_exact=True)
                 advance(1)
         except Exception as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -146,15 +140,6 @@ class TorchBackend(Backend):
         finally:
             self.truncate(0)
 
-    @classmethod
-    def from_profile(cls, profile) -> "TorchBackend":
-        from specchat.models import fetch_hub, resolve_model
-
-        ref = resolve_model(profile.model, profile.base_dir)
-        path, kind = (fetch_hub(ref.location), "hf_dir") if ref.kind == "hub" else (ref.path, ref.kind)
-        return cls(path, kind, precision=profile.dtype, device=profile.device, threads=profile.threads,
-                   context=profile.context, compile=profile.compile)
-
     # ---- the pieces a speculative loop uses ----
 
     @property
@@ -162,32 +147,32 @@ class TorchBackend(Backend):
         return self._context
 
     @property
-    def rows_bitwise(self) -> bool:
-        """Whether forward(..., exact_rows=True) reproduces single-token passes bit for bit (with
-        compiled graphs, only where this machine's attention kernel lets rows share a call)."""
+    def row_exact_supported(self) -> bool:
+        """Whether forward(..., row_exact=True) reproduces single-token passes bit for bit here
+        (with compiled graphs, only where this machine's attention kernel lets rows share a call)."""
         return (self.device.type == "cpu" and self.precision in ROW_INVARIANT_PRECISIONS and not self.model.static
-                and (self.model.rows_share_attention or not self.model.compiled_rows))
+                and (self.model.attention_calls_shared or self.model.compiled is None))
 
     @property
     def cache_len(self) -> int:
         return self.model.cache.length
 
     def forward(self, tokens: Sequence[int] | Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True, exact_rows: bool = False, head: bool = True
+                all_logits: bool = True, row_exact: bool = False, head: bool = True
                 ) -> tuple[Tensor, dict[int, Tensor]]:
         """Run tokens at absolute positions start_pos.. (cache beyond start_pos is dropped first).
 
         logits[i] is the distribution of the token at position start_pos + i + 1. hidden_layers:
         layer indices (output of decoder layer i) and/or FINAL (-1, after the final norm).
-        exact_rows: see Transformer.forward; bitwise equal to single-token passes when
-        `self.rows_bitwise` is true. head=False: final hidden states instead of logits (see
+        row_exact: a row-exact pass (exact_rows.py), bitwise equal to single-token passes where
+        `row_exact_supported`. head=False: final hidden states instead of logits (see
         `head_logits` and `choose`).
         """
         if start_pos < self.cache_len:
             self.truncate(start_pos)
         ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
         t = torch.tensor([ids], dtype=torch.long, device=self.device)
-        logits, hidden = self.model(t, start_pos, hidden_layers, all_logits, exact_rows, head)
+        logits, hidden = self.model(t, start_pos, hidden_layers, all_logits, row_exact, head)
         self.cached[start_pos:] = ids
         return logits, hidden
 
@@ -200,9 +185,9 @@ class TorchBackend(Backend):
         where the model can (greedy and plain temperature sampling on CPU; see argmax_head.py)."""
         return self.model.choose(states, positions, sampling)
 
-    def choose_rows(self, sampling: Sampling) -> int | None:
-        """How many verify rows `choose` should take per call (None: all); see Transformer.choose_rows."""
-        return self.model.choose_rows(sampling)
+    def verify_chunk(self, sampling: Sampling) -> int | None:
+        """How many verify rows `choose` should take per call (None: all); see Transformer.verify_chunk."""
+        return self.model.verify_chunk(sampling)
 
     def truncate(self, n: int) -> None:
         self.model.cache.truncate(n)

@@ -7,9 +7,8 @@ for llama-arch models (interleaved RoPE); we undo that to get the Hugging Face l
 
 `gguf.GGUFReader` parses every metadata field, tokenizer vocabulary and merges included, which
 takes seconds for a 49k-token vocabulary; what the engine needs from it (the model's own fields
-and where each tensor lies in the file) is saved once as a small index under the cache
-directory, keyed by the file's path, size and modification time and the gguf package's version,
-and read from there later.
+and where each tensor lies in the file) is saved once as a small index under `cache_dir`, when
+the caller gives one (see derived_files.py), and read from there later.
 """
 from __future__ import annotations
 
@@ -21,10 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backends.base import BackendError
-from backends.native.model import ModelConfig
-from backends.native.weights import Checkpoint, Int4Rows, _refuse_unknown, progress
-from specchat import paths
+from ..base import BackendError
+from .config import ModelConfig
+from .int4 import Int4Rows
+from .weights import Checkpoint, progress, refuse_unknown
+from ..derived_files import derived_path
 
 _LAYER_NAMES = {
     "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
@@ -90,25 +90,28 @@ class GgufIndex:
         return self.fields.get(key, default)
 
 
-def _index_path(path: Path) -> Path:
+def index_path(path: Path, cache_dir: Path) -> Path:
     from importlib.metadata import version
 
-    return paths.derived_cache_path("gguf-index", path, version("gguf"), suffix=".json")
+    return derived_path(cache_dir, "gguf-index", path, version("gguf"), suffix=".json")
 
 
-def read_index(path: Path) -> GgufIndex:
+def read_index(path: Path, cache_dir: Path | None = None) -> GgufIndex:
     """The file's metadata and tensor layout: from the cached index, else parsed (and cached)."""
     import gguf
 
-    cached = _index_path(path)
-    try:
-        return GgufIndex.from_json(cached.read_text(), path)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # not cached yet, or unreadable: parse the file again
+    cached = index_path(path, cache_dir) if cache_dir is not None else None
+    if cached is not None:
+        try:
+            return GgufIndex.from_json(cached.read_text(), path)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not cached yet, or unreadable: parse the file again
     try:
         index = GgufIndex.from_reader(gguf.GGUFReader(str(path)))
     except Exception as e:
         raise BackendError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    if cached is None:
+        return index
     try:
         text = index.to_json()
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -175,8 +178,8 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.argsort(permuted)
 
 
-def load_gguf(path: Path, keep_int4: bool = False) -> Checkpoint:
-    index = read_index(path)
+def load_gguf(path: Path, keep_int4: bool = False, cache_dir: Path | None = None) -> Checkpoint:
+    index = read_index(path, cache_dir)
     cfg = config_from_gguf(index)
     tensors = index.tensors
     int4_types = ("Q4_0", "Q4_1")
@@ -215,5 +218,5 @@ def load_gguf(path: Path, keep_int4: bool = False) -> Checkpoint:
     head = load("output.weight", matrix=True) if "output.weight" in tensors else None
     known = {f"blk.{i}.{suffix}" for i in range(cfg.n_layers) for suffix in _LAYER_NAMES.values()}
     known |= {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
-    _refuse_unknown(path, set(tensors) - known)
+    refuse_unknown(path, set(tensors) - known)
     return Checkpoint(cfg, embed, load("output_norm.weight"), head, layers, source=str(path))

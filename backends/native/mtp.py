@@ -31,10 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from backends.base import BackendError
-from backends.native.model import Block, KVCache, Linear, ModelConfig, Transformer, rope_tables
-from backends.native.weights import (_HF_LAYER_NAMES, LAYER_KEYS, Int4Rows, build_block, drafting_head, int4_linear,
-                                     quantize_layer)
+from ..base import BackendError
+from .config import ModelConfig
+from .int4 import int4_if_fits, quantize_layer
+from .layers import RMSNorm, decoder_layer, rope_tables
+from .linear import Linear
+from .model import KVCache, Transformer, cached_attention
+from .weights import HF_LAYER_NAMES, LAYER_KEYS, build_layer, drafting_head, safetensors_files
 
 DRAFT_VOCAB = "specchat.draft_vocab"  # optional int32 tensor: the token ids the head may propose
 
@@ -102,19 +105,6 @@ def unsupported_main_model(config: dict) -> str | None:
     return f"{c.get('model_type', 'this model')} uses {' and '.join(why)}, which the torch engine does not run"
 
 
-def _safetensors_index(path: Path) -> dict[str, Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return {n: path / f for n, f in json.loads(index.read_text())["weight_map"].items()}
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as st:
-            out.update({n: f for n in st.keys()})
-    return out
-
-
 def read_mtp(path: Path, cfg: ModelConfig) -> MtpWeights:
     """The MTP layers in `path` (the target's own checkpoint, or a separate head directory), read
     and checked against the target's shape `cfg`. Raises BackendError naming what is wrong."""
@@ -127,7 +117,7 @@ def read_mtp(path: Path, cfg: ModelConfig) -> MtpWeights:
     if not (path / "config.json").exists():
         raise BackendError(f"{path}: no config.json; an MTP head is a safetensors directory with its config")
     config = json.loads((path / "config.json").read_text())
-    where = _safetensors_index(path)
+    where = safetensors_files(path)
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in where) else "model."
     layout = detect_layout(set(where), cfg.n_layers, prefix)
     if layout is None:
@@ -171,7 +161,7 @@ def read_mtp(path: Path, cfg: ModelConfig) -> MtpWeights:
                                "latent attention, which the torch engine does not run; serve this model with "
                                "vLLM or SGLang (backend: openai)")
         layer = {k: get(names[k]) for k in ("embed_norm", "hidden_norm", "proj", "final_norm")}
-        for key, suffix in _HF_LAYER_NAMES.items():
+        for key, suffix in HF_LAYER_NAMES.items():
             if lp + suffix in where:
                 layer[key] = get(lp + suffix)
             elif key in LAYER_KEYS:
@@ -222,27 +212,28 @@ class MtpHead:
         self.target = target
         dev, dtype = target.device, target.dtype
         self.cfg: ModelConfig = replace(target.cfg, n_layers=1)
-        # on an int4 target the head's matrices run on the same int4 kernel (about 3x faster than
-        # dense on CPU); a drafter's arithmetic changes how often it guesses right, never the output
+        eps = self.cfg.norm_eps
+        # on an int4 target the head's matrices run on the same int4 kernel (int4.int4_if_fits)
         int4 = target.runs_int4
         self.layers = []
         for layer in w.layers:
             body = {k: v for k, v in layer.items() if k not in ("embed_norm", "hidden_norm", "proj", "final_norm")}
-            blk = build_block(quantize_layer(body) if int4 else body, dtype, int4, dev)
             proj = layer["proj"]
             self.layers.append({
-                "embed_norm": layer["embed_norm"].to(dev), "hidden_norm": layer["hidden_norm"].to(dev),
-                "final_norm": layer["final_norm"].to(dev), "block": Block(self.cfg, blk),
-                "proj": int4_linear(proj) if int4 and Int4Rows.fits(proj) else Linear(proj.to(dev, dtype).contiguous()),
+                "embed_norm": RMSNorm(layer["embed_norm"].to(dev), eps),
+                "hidden_norm": RMSNorm(layer["hidden_norm"].to(dev), eps),
+                "final_norm": RMSNorm(layer["final_norm"].to(dev), eps),
+                "layer": decoder_layer(self.cfg, build_layer(quantize_layer(body) if int4 else body, dtype, int4, dev)),
+                "proj": int4_if_fits(proj, dtype, dev) if int4 else Linear(proj.to(dev, dtype).contiguous()),
                 "cache": KVCache(self.cfg, max_len, target.cache_dtype, dev),
             })
         self.dtype = dtype
-        self.rope_cos, self.rope_sin = rope_tables(self.cfg, max_len, dev, target.rope_dtype)
+        self.rope_cos, self.rope_sin = rope_tables(target.inv_freq, max_len, dev, target.rope_dtype)
         self.vocab = None if w.draft_vocab is None else w.draft_vocab.to(dev)
         head_w = target.head.weight
         if self.vocab is not None and head_w is not None:
             sub = head_w[self.vocab]
-            self.head = int4_linear(sub) if int4 and Int4Rows.fits(sub) else Linear(sub.to(dtype).contiguous())
+            self.head = int4_if_fits(sub, dtype, dev) if int4 else Linear(sub.to(dtype).contiguous())
         else:
             self.vocab = None
             self.head = drafting_head(target)
@@ -277,10 +268,9 @@ class MtpHead:
         """hidden [K, dim] (target's, or the head's own g), next_tokens [K]: entries start..start+K-1.
         Returns g [K, dim], the head's final-normed hidden states (feed `logits`)."""
         L = self.layers[layer]
-        cfg, eps = self.cfg, self.cfg.norm_eps
         K = hidden.shape[0]
-        e = F.rms_norm(self.target.embed[next_tokens].float(), (cfg.dim,), L["embed_norm"], eps)
-        h = F.rms_norm(hidden.float(), (cfg.dim,), L["hidden_norm"], eps)
+        e = L["embed_norm"](self.target.embed[next_tokens].float())
+        h = L["hidden_norm"](hidden.float())
         x = L["proj"]((torch.cat([e, h], -1) if self.embed_first else torch.cat([h, e], -1)).to(self.dtype)).float()
         cache: KVCache = L["cache"]
         cache.length = min(cache.length, start)
@@ -291,10 +281,11 @@ class MtpHead:
         if K > 1:
             rows = torch.arange(start, end, device=x.device)[:, None]
             mask = torch.arange(end, device=x.device)[None, :] <= rows
-        x = L["block"](x, cache.k[0], cache.v[0], slice(start, end), end, self.rope_cos[start:end],
-                       self.rope_sin[start:end], mask, self.dtype)
+        write = slice(start, end)
+        x = L["layer"](x, cached_attention(cache, 0, write, end, mask), self.rope_cos[write], self.rope_sin[write],
+                       self.dtype)
         cache.length = end
-        return F.rms_norm(x, (cfg.dim,), L["final_norm"], eps)
+        return L["final_norm"](x)
 
     def reset(self) -> None:
         for L in self.layers:

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from backends.base import Sampling
+from ..base import Sampling
 
 _M32 = 0xFFFFFFFF
 

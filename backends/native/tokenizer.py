@@ -1,7 +1,7 @@
 """Tokenizer and chat template, always the model's own, through transformers.
 
-Building a tokenizer from GGUF metadata is slow, so the result is saved once under the cache
-directory, keyed by the GGUF's path, size and modification time, and loaded from there later.
+Building a tokenizer from GGUF metadata is slow, so with a `cache_dir` the result is saved once
+(see derived_files.py) and loaded from there later.
 """
 from __future__ import annotations
 
@@ -11,25 +11,28 @@ import shutil
 from pathlib import Path
 from typing import Sequence
 
-from backends.base import BackendError
-from specchat import paths
+from ..base import BackendError
+from ..derived_files import derived_path
 
 
-def _gguf_cache_dir(gguf_path: Path) -> Path:
+def gguf_tokenizer_dir(gguf_path: Path, cache_dir: Path) -> Path:
     import transformers
 
-    return paths.derived_cache_path("tokenizers", gguf_path, transformers.__version__)
+    return derived_path(cache_dir, "tokenizers", gguf_path, transformers.__version__)
 
 
-def _load_hf_tokenizer(path: Path):
+def _load_hf_tokenizer(path: Path, cache_dir: Path | None):
     from transformers import AutoTokenizer
 
     if path.is_dir():
         return AutoTokenizer.from_pretrained(str(path))
-    cached = _gguf_cache_dir(path)
+    if cache_dir is None:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cached = gguf_tokenizer_dir(path, cache_dir)
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     tok.save_pretrained(str(tmp))
     try:
@@ -42,9 +45,11 @@ def _load_hf_tokenizer(path: Path):
 class ChatTokenizer:
     """Chat rendering, encoding and decoding, plus the ids that end a reply."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, cache_dir: Path | None = None):
+        """`path`: a model directory or GGUF file; `cache_dir`: where a GGUF's tokenizer is kept once built."""
+        path = Path(path)
         try:
-            self.hf = _load_hf_tokenizer(path)
+            self.hf = _load_hf_tokenizer(path, cache_dir)
         except Exception as e:
             raise BackendError(f"{path}: could not load its tokenizer ({type(e).__name__}: {e}); "
                                "a model directory needs tokenizer.json / tokenizer_config.json") from None

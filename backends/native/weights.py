@@ -4,6 +4,8 @@ Loaders (Hugging Face safetensors here, GGUF in gguf_loader.py) produce a `Check
 config plus per-layer tensors under short names (q, k, v, o, gate, up, down, norms, biases).
 A matrix is either a float32 tensor or `Int4Rows` (GGUF Q4_0/Q4_1 blocks kept as they are).
 `build_model` fuses q/k/v and gate/up into single matmuls and casts to the compute dtype.
+`HF_LAYER_NAMES` is the one map from those short names to Hugging Face tensor names; MTP heads,
+DFlash drafters and the trainers' exports use it too.
 """
 from __future__ import annotations
 
@@ -17,51 +19,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from backends.base import BackendError
-from backends.native import argmax_head
-from backends.native.model import Linear, ModelConfig, Transformer
+from ..base import BackendError
+from . import argmax_head
+from .config import ModelConfig
+from .int4 import Int4Rows, Matrix, int4_linear
+from .layers import DecoderLayer, decoder_layer
+from .linear import Linear
+from .model import Transformer
 
-INT4_GROUP = 32
-
-
-@dataclass
-class Int4Rows:
-    """Group-wise 4-bit weights, groups of 32 along the input: w = (q - 8) * scale + zero.
-
-    GGUF Q4_1 (w = d*q + m) is scale d, zero m + 8d; Q4_0 (w = d*(q - 8)) is scale d, zero 0.
-    """
-
-    q: Tensor  # uint8 [out, in], values 0..15
-    scale: Tensor  # float32 [out, in / 32]
-    zero: Tensor  # float32 [out, in / 32]
-
-    def dequantize(self) -> Tensor:
-        def expand(t: Tensor) -> Tensor:
-            return t.repeat_interleave(INT4_GROUP, dim=1)
-        return (self.q.float() - 8) * expand(self.scale) + expand(self.zero)
-
-    @staticmethod
-    def quantize(w: Tensor) -> "Int4Rows":
-        """Round-to-nearest group-wise 4-bit weights for a float matrix [out, in] (in % 32 == 0):
-        each group's range [min, max] in 16 steps."""
-        g = w.float().reshape(w.shape[0], -1, INT4_GROUP)
-        low, high = g.amin(-1), g.amax(-1)
-        scale = ((high - low) / 15).clamp_min(1e-12)
-        q = ((g - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
-        return Int4Rows(q.reshape(w.shape), scale, low + 8 * scale)
-
-    @staticmethod
-    def fits(w: Tensor) -> bool:
-        """Whether torch's CPU int4 kernel takes this matrix shape."""
-        return w.dim() == 2 and w.shape[1] % INT4_GROUP == 0 and w.shape[0] % 8 == 0
-
-    @staticmethod
-    def cat(parts: list["Int4Rows"]) -> "Int4Rows":
-        return Int4Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                        torch.cat([p.zero for p in parts]))
-
-
-Matrix = Tensor | Int4Rows
 LAYER_KEYS = ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm")
 OPTIONAL_KEYS = ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
 
@@ -93,7 +58,7 @@ def progress(label: str, total: int):
 
 # ---- Hugging Face directories (safetensors, sharded or not) ----
 
-_HF_LAYER_NAMES = {
+HF_LAYER_NAMES = {
     "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
     "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
     "down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
@@ -103,7 +68,33 @@ _HF_LAYER_NAMES = {
 }
 
 
-def _safetensors_files(path: Path) -> dict[str, Path]:
+def hf_layer(tensors: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """A decoder layer's tensors under short names, from the Hugging Face names under `prefix`."""
+    return {k: tensors[prefix + name] for k, name in HF_LAYER_NAMES.items() if prefix + name in tensors}
+
+
+def hf_names(layer: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """The inverse: short names to Hugging Face names under `prefix`."""
+    return {prefix + HF_LAYER_NAMES[k]: v for k, v in layer.items()}
+
+
+def layer_tensors(layer: DecoderLayer) -> dict[str, Tensor]:
+    """A dense decoder layer's weights under short names, its fused matmuls split again (for exports)."""
+    att = layer.attention
+    q_rows = att.n_heads * att.head_dim * (2 if att.output_gate else 1)
+    kv_rows = att.n_kv_heads * att.head_dim
+    q, k, v = att.qkv.weight.split([q_rows, kv_rows, kv_rows])
+    gate, up = layer.mlp.gate_up.weight.chunk(2)
+    out = {"q": q, "k": k, "v": v, "o": att.o.weight, "gate": gate, "up": up, "down": layer.mlp.down.weight,
+           "attn_norm": layer.attn_norm.weight, "mlp_norm": layer.mlp_norm.weight}
+    if att.qkv.bias is not None:
+        out["q_bias"], out["k_bias"], out["v_bias"] = att.qkv.bias.split([q_rows, kv_rows, kv_rows])
+    if att.q_norm is not None:
+        out["q_norm"], out["k_norm"] = att.q_norm.weight, att.k_norm.weight
+    return out
+
+
+def safetensors_files(path: Path) -> dict[str, Path]:
     """tensor name -> file holding it."""
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -125,7 +116,7 @@ def load_hf_dir(path: Path) -> Checkpoint:
     from safetensors import safe_open
 
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    where = _safetensors_files(path)
+    where = safetensors_files(path)
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in where) else "model."
     # an MTP head inside the checkpoint is read by backends/native/mtp.py when a profile asks for it
     where = {n: f for n, f in where.items() if not is_mtp_tensor(n, prefix, cfg.n_layers)}
@@ -150,11 +141,11 @@ def load_hf_dir(path: Path) -> Checkpoint:
 
     layers = []
     for i in range(cfg.n_layers):
-        layer = {k: take(f"{prefix}layers.{i}.{n}", k in LAYER_KEYS) for k, n in _HF_LAYER_NAMES.items()}
+        layer = {k: take(f"{prefix}layers.{i}.{n}", k in LAYER_KEYS) for k, n in HF_LAYER_NAMES.items()}
         layers.append({k: v for k, v in layer.items() if v is not None})
     head = None if cfg.tie_embeddings else take("lm_head.weight", required=False)
     embed, norm = take(prefix + "embed_tokens.weight"), take(prefix + "norm.weight")
-    _refuse_unknown(path, set(tensors) - used - {"lm_head.weight"})
+    refuse_unknown(path, set(tensors) - used - {"lm_head.weight"})
     return Checkpoint(cfg, embed, norm, head, layers, source=str(path))
 
 
@@ -167,7 +158,7 @@ def is_mtp_tensor(name: str, prefix: str, n_layers: int) -> bool:
     return m is not None and int(m.group(1)) >= n_layers
 
 
-def _refuse_unknown(path: Path, names: set[str]) -> None:
+def refuse_unknown(path: Path, names: set[str]) -> None:
     """Weights we would silently ignore (an o_proj bias, an MoE, an MTP head...) mean a different model."""
     names = {n for n in names if not n.endswith("rotary_emb.inv_freq")}
     if names:
@@ -176,19 +167,6 @@ def _refuse_unknown(path: Path, names: set[str]) -> None:
 
 
 # ---- building the model ----
-
-def int4_linear(w: Matrix, bias: Tensor | None = None, dense_copy: bool = False) -> Linear:
-    """A Linear on torch's CPU int4 kernel (bfloat16 in and out); float weights are quantized.
-    dense_copy: also keep the weights as bfloat16 for many-row passes (see `Linear`)."""
-    w = w if isinstance(w, Int4Rows) else Int4Rows.quantize(w)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
-    sz = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-    dense = None
-    if dense_copy:  # from the bfloat16 scales and zeros the kernel itself uses
-        scale, zero = (t.to(torch.bfloat16).float().repeat_interleave(INT4_GROUP, dim=1) for t in (w.scale, w.zero))
-        dense = ((w.q.float() - 8) * scale + zero).to(torch.bfloat16)
-    return Linear(None, bias, int4=(packed, sz, INT4_GROUP), dense=dense)
-
 
 def _linear(parts: list[Matrix], biases: list[Tensor | None], dtype: torch.dtype, int4: bool,
             device: torch.device, dense_copy: bool = False) -> Linear:
@@ -207,28 +185,6 @@ def _rows(m: Matrix) -> int:
     return m.q.shape[0] if isinstance(m, Int4Rows) else m.shape[0]
 
 
-class Int4Module(torch.nn.Module):
-    """An nn.Linear's weights on the int4 kernel, taking and returning the caller's dtype."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.inner = int4_linear(linear.weight.detach().float(),
-                                 None if linear.bias is None else linear.bias.detach().to(torch.bfloat16))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.inner(x.to(torch.bfloat16)).to(x.dtype)
-
-
-def quantize_module(module: torch.nn.Module) -> torch.nn.Module:
-    """Swap every nn.Linear whose shape the int4 kernel takes for an Int4Module (in place)."""
-    for name, child in module.named_children():
-        if isinstance(child, torch.nn.Linear) and Int4Rows.fits(child.weight):
-            setattr(module, name, Int4Module(child))
-        else:
-            quantize_module(child)
-    return module
-
-
 def drafting_head(model: Transformer) -> Linear:
     """The target's LM head for drafters: on an int4 target, an int4 copy of it (a full-vocabulary
     head is a drafter's largest cost, and guesses need no float32 logits); else the head itself."""
@@ -240,19 +196,9 @@ def drafting_head(model: Transformer) -> Linear:
     return cached
 
 
-MATRIX_KEYS = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-def quantize_layer(layer: dict[str, Matrix]) -> dict[str, Matrix]:
-    """The layer with every float matrix the int4 kernel takes quantized to Int4Rows (drafters on
-    an int4 target: their arithmetic never changes what is emitted, only how fast they guess)."""
-    return {k: Int4Rows.quantize(v) if k in MATRIX_KEYS and isinstance(v, Tensor) and Int4Rows.fits(v) else v
-            for k, v in layer.items()}
-
-
-def build_block(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device: torch.device,
+def build_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device: torch.device,
                 dense_copy: bool = False) -> dict:
-    """One decoder layer's tensors (LAYER_KEYS + OPTIONAL_KEYS) as the weights `Block` takes."""
+    """One decoder layer's tensors (LAYER_KEYS + OPTIONAL_KEYS) as the weights `layers.decoder_layer` takes."""
     b = {
         "attn_norm": layer["attn_norm"].float().to(device), "mlp_norm": layer["mlp_norm"].float().to(device),
         "qkv": _linear([layer["q"], layer["k"], layer["v"]],
@@ -284,17 +230,17 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
     if int4 and (dtype != torch.bfloat16 or device.type != "cpu"):
         raise ValueError("the int4 kernel path runs on CPU with bfloat16 activations")
     dense_copy = int4 and dense_copy_bytes(ck) <= DENSE_COPY_MAX_BYTES
-    blocks = [build_block(layer, dtype, int4, device, dense_copy) for layer in ck.layers]
+    layers = [decoder_layer(ck.cfg, build_layer(layer, dtype, int4, device, dense_copy)) for layer in ck.layers]
     embed = ck.embed.float().to(device)
     head_weight = ck.head if ck.head is not None else embed
     if device.type == "cpu" and dtype != torch.float32:
         # Logits stay float32 on CPU: bfloat16 logits (resolution 0.125 at 25) turn near-ties
         # into exact ties. A tied head shares the float32 embedding, so this costs no memory.
         dense = head_weight.dequantize() if isinstance(head_weight, Int4Rows) else head_weight.float()
-        head = Linear(dense.to(device).contiguous(), row_stable=True)
+        head = Linear(dense.to(device).contiguous(), pairwise=True)
     else:
         head = _linear([head_weight], [None], dtype, int4, device)
-    model = Transformer(ck.cfg, embed, blocks, ck.norm.float().to(device), head, dtype, max_len)
-    if head.row_stable:
-        model.argmax_head = argmax_head.for_head(head.weight, model.norm)
+    model = Transformer(ck.cfg, embed, layers, ck.norm.float().to(device), head, dtype, max_len)
+    if head.pairwise:
+        model.argmax_head = argmax_head.for_head(head.weight, model.norm.weight)
     return model

@@ -1,5 +1,5 @@
 """OpenAI-compatible servers (vLLM, SGLang, llama-server, llama-cpp-python) as a backend."""
 
-from backends.openai.backend import OpenAIBackend
+from .backend import OpenAIBackend
 
 __all__ = ["OpenAIBackend"]

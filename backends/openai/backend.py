@@ -17,11 +17,11 @@ import threading
 import time
 from typing import Iterator, Optional, Sequence
 
-from backends.base import (STOP_CANCELLED, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendError, Event, Request,
+from ..base import (STOP_CANCELLED, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendError, Event, Request,
                            Sampling, Step, StreamStats)
-from backends.openai.chunks import parse_chunk
-from backends.openai.http import ServerConnection
-from backends.openai.metrics import (SpecFigures, VllmCounters, llama_server_figures, sglang_figures,
+from .chunks import parse_chunk
+from .http import ServerConnection
+from .metrics import (SpecFigures, VllmCounters, llama_server_figures, sglang_figures,
                                      vllm_counters, vllm_figures)
 
 METRICS = ("auto", "vllm", "sglang", "llama-server", "none")
@@ -58,20 +58,6 @@ class OpenAIBackend(Backend):
         self._context = context
         self._prometheus: Optional[bool] = None if metrics in ("auto", "vllm") else False
         self._detokenize_path: Optional[str] = None
-
-    @classmethod
-    def from_profile(cls, profile) -> "OpenAIBackend":
-        server = profile.server
-        where = f"profile '{profile.name}'"
-        backend = cls(server.base_url, profile.model, api_key=api_key_from_env(server.api_key_env, where),
-                      api_key_env=server.api_key_env, timeout_s=server.timeout_s, metrics=server.metrics,
-                      logprobs=server.logprobs, stream=server.stream, context=profile.context, where=where)
-        try:
-            backend.check_server()
-        except BaseException:
-            backend.close()
-            raise
-        return backend
 
     def __repr__(self) -> str:
         return f"OpenAIBackend(model={self.model!r}, {self.conn!r})"

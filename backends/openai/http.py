@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from backends.base import BackendError
-from backends.openai.chunks import error_message
+from ..base import BackendError
+from .chunks import error_message
 
 CONNECT_TIMEOUT_S = 10.0
 

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from backends.base import Summary
+from ..base import Summary
 
 VLLM_PREFIX = "vllm:spec_decode_"
 VLLM_DRAFTS = VLLM_PREFIX + "num_drafts"

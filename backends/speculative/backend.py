@@ -2,25 +2,64 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
-from backends.base import Backend, BackendError, Event, Request, Sampling
-from backends.native.engine import TorchBackend
-from backends.native.weights import Int4Rows, int4_linear
-from backends.speculative.drafters import DraftModelDrafter, LookupFirst, NgramDrafter, check_same_tokenizer
-from backends.speculative.gate import DraftGate
-from backends.speculative.loop import Drafter, speculative_stream
+from ..base import Backend, BackendError, Event, Request, Sampling
+from ..native.engine import TorchBackend
+from ..native.int4 import Int4Rows, int4_linear
+from .drafters import DraftModelDrafter, LookupFirst, NgramDrafter, check_same_tokenizer
+from .gate import DraftGate
+from .loop import Drafter, speculative_stream
+
+
+METHODS = ("ngram", "draft", "mtp", "dflash")
+
+
+@dataclass(frozen=True)
+class SpeculativeSettings:
+    """How to speculate on a loaded target: the method and its drafter's weights (paths resolved
+    by the caller), the draft depth and how drafts are accepted (see the profile reference)."""
+
+    method: str  # one of METHODS
+    drafter: Path | None = None  # draft model (GGUF file or directory), MTP head directory, DFlash directory
+    drafter_kind: str = "auto"  # gguf | hf_dir | auto (by the path), for a draft model
+    depth: int = 4
+    acceptance: str = "exact"  # exact | rejection (acceptance.py)
+    ngram_min: int = 1
+    ngram_max: int = 3
+    lookup: int = 0  # prompt lookup in front of a model drafter: up to this many tokens (0: off)
+    copy_depth: int = 0  # prompt lookup in a copying run (ngram.py)
+    strict: bool | None = None  # row-exact verify passes: required (True), off (False), where possible (None)
+    adaptive: bool = True  # draft from a source only while it pays (gate.py)
+    mtp_hidden: str | None = None  # which target state feeds an MTP head (None: the head's config, else post_norm)
 
 
 class SpeculativeBackend(Backend):
     name = "torch"
 
+    @classmethod
+    def load(cls, target: TorchBackend, settings: SpeculativeSettings) -> "SpeculativeBackend":
+        """`target` with the drafter `settings` describe; the target is closed if that fails."""
+        try:
+            drafter = make_drafter(settings, target)
+        except BaseException:
+            target.close()
+            raise
+        try:
+            return cls(target, drafter, settings.depth, settings.acceptance, settings.strict, settings.adaptive)
+        except BackendError:
+            drafter.close()
+            target.close()
+            raise
+
     def __init__(self, target: TorchBackend, drafter: Drafter, depth: int, acceptance: str = "exact",
                  strict: bool | None = False, adaptive: bool = False):
         if strict is None:  # auto
-            strict = target.rows_bitwise
-        if strict and not target.rows_bitwise:
-            if target.model.compiled_rows and not target.model.rows_share_attention:
+            strict = target.row_exact_supported
+        if strict and not target.row_exact_supported:
+            if target.model.compiled is not None and not target.model.attention_calls_shared:
                 raise BackendError("strict verification with compile: true needs an attention kernel that keeps a "
                                    "row's bits in shared calls, which this CPU's does not; set compile: false "
                                    "(strict, eager) or strict: false")
@@ -30,24 +69,6 @@ class SpeculativeBackend(Backend):
         self.target, self.drafter = target, drafter
         self.depth, self.acceptance, self.strict = depth, acceptance, strict
         self.adaptive = adaptive  # draft only from sources whose passes pay (gate.py)
-
-    @classmethod
-    def from_profile(cls, profile) -> "SpeculativeBackend":
-        spec = profile.speculative
-        if spec.method == "mtp" and not spec.drafter:
-            check_builtin_mtp(profile)
-        target = TorchBackend.from_profile(profile)
-        try:
-            drafter = make_drafter(profile, target)
-        except BaseException:
-            target.close()
-            raise
-        try:
-            return cls(target, drafter, spec.depth, spec.acceptance, spec.strict, spec.adaptive)
-        except BackendError:
-            drafter.close()
-            target.close()
-            raise
 
     @property
     def context_length(self) -> int:
@@ -70,74 +91,66 @@ class SpeculativeBackend(Backend):
         self.target.close()
 
 
-def make_drafter(profile, target: TorchBackend) -> Drafter:
-    spec = profile.speculative
-    model = make_model_drafter(profile, target)
-    if spec.lookup:
-        return LookupFirst(model, spec.lookup, spec.ngram_min, spec.ngram_max, spec.depth, spec.copy_depth)
+def make_drafter(settings: SpeculativeSettings, target: TorchBackend) -> Drafter:
+    """The drafter `settings` describe, for `target` (prompt lookup in front of it with `lookup`)."""
+    model = make_model_drafter(settings, target)
+    if settings.lookup:
+        return LookupFirst(model, settings.lookup, settings.ngram_min, settings.ngram_max, settings.depth,
+                           settings.copy_depth)
     return model
 
 
-def make_model_drafter(profile, target: TorchBackend) -> Drafter:
-    spec = profile.speculative
-    if spec.method == "ngram":
-        return NgramDrafter(spec.ngram_min, spec.ngram_max, spec.copy_depth)
-    if spec.method == "draft":
-        from specchat.models import fetch_hub, resolve_model
-
-        ref = resolve_model(spec.drafter, profile.base_dir)
-        path = fetch_hub(ref.location) if ref.kind == "hub" else ref.location
-        engine = TorchBackend(path, "hf_dir" if ref.kind == "hub" else ref.kind, precision=profile.dtype,
-                              device=profile.device, threads=profile.threads, context=target.context_length,
-                              compile=profile.compile)
-        try:
-            check_same_tokenizer(target, engine, spec.drafter)
-        except BackendError:
-            engine.close()
-            raise
-        head = engine.model.head.weight
-        if target.model.runs_int4 and head is not None and Int4Rows.fits(head):
-            engine.model.set_head(int4_linear(head))  # its full-vocabulary head is most of a small drafter's cost
-        return DraftModelDrafter(engine, want_q=spec.acceptance == "rejection")
-    if spec.method == "mtp":
-        return make_mtp_drafter(profile, target)
-    if spec.method == "dflash":
-        return make_dflash_drafter(profile, target)
-    raise BackendError(f"profile '{profile.name}': speculative method '{spec.method}' is not available yet "
-                       "in this version; use none, ngram, draft, mtp or dflash")
+def make_model_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
+    if s.method == "ngram":
+        return NgramDrafter(s.ngram_min, s.ngram_max, s.copy_depth)
+    if s.method == "draft":
+        return make_draft_model_drafter(s, target)
+    if s.method == "mtp":
+        return make_mtp_drafter(s, target)
+    if s.method == "dflash":
+        return make_dflash_drafter(s, target)
+    raise BackendError(f"speculative method '{s.method}' is not available in this version; "
+                       f"use one of {', '.join(METHODS)}")
 
 
-def make_mtp_drafter(profile, target: TorchBackend) -> Drafter:
-    """The MTP head in `drafter:` (a head directory), or in the target's own checkpoint."""
-    from backends.native.mtp import MtpHead, read_mtp
-    from backends.speculative.mtp import MtpDrafter
-    from specchat.models import fetch_hub, resolve_model
+def make_draft_model_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
+    """A small model with the target's tokenizer, loaded with the target's own engine settings."""
+    engine = TorchBackend(s.drafter, s.drafter_kind, **(target.settings | {"context": target.context_length}))
+    try:
+        check_same_tokenizer(target, engine, str(s.drafter))
+    except BackendError:
+        engine.close()
+        raise
+    head = engine.model.head.weight
+    if target.model.runs_int4 and head is not None and Int4Rows.fits(head):
+        engine.model.set_head(int4_linear(head))  # its full-vocabulary head is most of a small drafter's cost
+    return DraftModelDrafter(engine, want_q=s.acceptance == "rejection")
 
-    spec = profile.speculative
-    ref = resolve_model(spec.drafter or profile.model, profile.base_dir)
-    path = fetch_hub(ref.location) if ref.kind == "hub" else ref.location
-    weights = read_mtp(path, target.model.cfg)
+
+def make_mtp_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
+    """The MTP head in `s.drafter`: a head directory, or the target's own checkpoint."""
+    from ..native.mtp import MtpHead, read_mtp
+    from .mtp import MtpDrafter
+
+    weights = read_mtp(s.drafter, target.model.cfg)
     head = MtpHead(weights, target.model, target.context_length)
-    source = spec.mtp_hidden or weights.hidden_source or "post_norm"
-    return MtpDrafter(head, target.eos_ids, source, want_q=spec.acceptance == "rejection")
+    source = s.mtp_hidden or weights.hidden_source or "post_norm"
+    return MtpDrafter(head, target.eos_ids, source, want_q=s.acceptance == "rejection")
 
 
-def check_builtin_mtp(profile) -> None:
-    """Before loading a big target for its built-in MTP head: read and validate the head, and say
-    plainly if the main model is one the engine cannot run."""
+def check_builtin_mtp(path: Path) -> None:
+    """Before loading a big target for its built-in MTP head: read and validate the head in the
+    checkpoint directory `path`, and say plainly if the main model is one the engine cannot run."""
     import json
-    from pathlib import Path
 
-    from backends.native.model import ModelConfig
-    from backends.native.mtp import read_mtp, unsupported_main_model
-    from specchat.models import fetch_hub, resolve_model
+    from ..native.config import ModelConfig
+    from ..native.mtp import read_mtp, unsupported_main_model
 
-    ref = resolve_model(profile.model, profile.base_dir)
-    if ref.kind == "gguf":
-        raise BackendError(f"profile '{profile.name}': the target is a GGUF file, whose MTP (nextn) tensors the "
-                           "torch engine does not read; set `speculative.drafter` to an MTP head directory "
-                           "(e.g. made by `specchat train mtp`)")
-    path = fetch_hub(ref.location) if ref.kind == "hub" else Path(ref.location)
+    path = Path(path)
+    if path.suffix.lower() == ".gguf" or path.is_file():
+        raise BackendError(f"{path}: the target is a GGUF file, whose MTP (nextn) tensors the torch engine does "
+                           "not read; set `speculative.drafter` to an MTP head directory (e.g. made by "
+                           "`specchat train mtp`)")
     config = json.loads((path / "config.json").read_text())
     why = unsupported_main_model(config)
     weights = read_mtp(path, ModelConfig.from_hf(config))
@@ -147,19 +160,17 @@ def check_builtin_mtp(profile) -> None:
                            "(backend: openai)")
 
 
-def make_dflash_drafter(profile, target: TorchBackend) -> Drafter:
-    from backends.speculative.dflash import DFlashDrafter, load_dflash
-    from specchat.models import fetch_hub, resolve_model
+def make_dflash_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
+    from .dflash import DFlashDrafter, load_dflash
 
-    spec = profile.speculative
-    ref = resolve_model(spec.drafter, profile.base_dir)
-    if ref.kind == "gguf":
-        raise BackendError(f"profile '{profile.name}': drafter {ref.location} is a GGUF file; a DFlash drafter "
-                           "is a directory with config.json and safetensors")
-    model = load_dflash(fetch_hub(ref.location) if ref.kind == "hub" else ref.location, target.model.cfg)
+    path = Path(s.drafter)
+    if path.is_file():
+        raise BackendError(f"drafter {path} is a file; a DFlash drafter is a directory with config.json and "
+                           "safetensors")
+    model = load_dflash(path, target.model.cfg)
     most = model.cfg.block_size - 1
-    if spec.depth > most:
-        raise BackendError(f"profile '{profile.name}': depth {spec.depth} is more than this DFlash drafter "
-                           f"proposes per pass (block_size {model.cfg.block_size}); set speculative.depth <= {most}")
+    if s.depth > most:
+        raise BackendError(f"depth {s.depth} is more than this DFlash drafter proposes per pass "
+                           f"(block_size {model.cfg.block_size}); set speculative.depth <= {most}")
     target.warm_up(hidden=True)  # its taps need the compiled graphs that return layer outputs
-    return DFlashDrafter(model, target, want_q=spec.acceptance == "rejection")
+    return DFlashDrafter(model, target, want_q=s.acceptance == "rejection")

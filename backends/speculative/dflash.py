@@ -11,8 +11,8 @@ in one bidirectional pass, conditioned on the target's hidden states.
   causal mask inside the block (sliding-window layers see only the last `sliding_window` keys).
 - Output: the drafter's `norm`, then the *target's* LM head, at block positions 1 .. depth.
 
-Parameter names are the released checkpoints' tensor names (`fc.weight`, `layers.0.self_attn.q_proj.weight`,
-...), so loading is a state_dict load and training exports one.
+The layers are the engine's own (native/layers.py); the released checkpoints' tensor names
+(`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...) are mapped to them on load and back on export.
 """
 from __future__ import annotations
 
@@ -25,11 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backends.base import BackendError, Sampling
-from backends.native.model import FINAL, ModelConfig, rope_inv_freq
-from backends.native.sampling import probs
-from backends.native.weights import drafting_head, quantize_module
-from backends.speculative.loop import Draft, Drafter
+from ..base import BackendError, Sampling
+from ..native.config import ModelConfig
+from ..native.int4 import int4_if_fits, quantize_layer
+from ..native.layers import RMSNorm, decoder_layer, rope_inv_freq, rope_tables
+from ..native.linear import Linear
+from ..native.model import FINAL
+from ..native.sampling import probs
+from ..native.weights import HF_LAYER_NAMES, build_layer, drafting_head, hf_layer, hf_names, layer_tensors, safetensors_files
+from .loop import Draft, Drafter
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -103,102 +107,81 @@ class DFlashConfig:
 
 # ---- the model ----
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on [T, heads, head_dim] with cos/sin [T, 1, head_dim] (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
-class Attention(nn.Module):
-    def __init__(self, m: ModelConfig):
-        super().__init__()
-        self.m = m
-        self.q_proj = nn.Linear(m.dim, m.n_heads * m.head_dim, bias=False)
-        self.k_proj = nn.Linear(m.dim, m.n_kv_heads * m.head_dim, bias=False)
-        self.v_proj = nn.Linear(m.dim, m.n_kv_heads * m.head_dim, bias=False)
-        self.o_proj = nn.Linear(m.n_heads * m.head_dim, m.dim, bias=False)
-        self.q_norm = RMSNorm(m.head_dim, m.norm_eps)
-        self.k_norm = RMSNorm(m.head_dim, m.norm_eps)
-
-    def forward(self, h: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                cache: "ContextCache | None", index: int) -> Tensor:
-        """h [Q, D] normed block stream; ctx [C, D] context features this layer has not seen yet;
-        cos/sin for the C context rows then the Q block rows. With a cache, the new context keys and
-        values are kept and attention also reads the cached ones."""
-        m, Q, C = self.m, h.shape[0], ctx.shape[0]
-        q = rotate(self.q_norm(self.q_proj(h).view(Q, m.n_heads, m.head_dim)), cos[C:], sin[C:])
-        rows = torch.cat([ctx, h])  # the same k/v projections for context and block
-        k = rotate(self.k_norm(self.k_proj(rows).view(C + Q, m.n_kv_heads, m.head_dim)), cos, sin)
-        v = self.v_proj(rows).view(C + Q, m.n_kv_heads, m.head_dim)
-        k, v = k.transpose(0, 1), v.transpose(0, 1)
-        if cache is not None:
-            k, v = cache.extend(index, k, v)
-        a = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
-                                           enable_gqa=m.n_heads != m.n_kv_heads)
-        return self.o_proj(a[0].transpose(0, 1).reshape(Q, m.n_heads * m.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, m: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(m.dim, m.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(m.dim, m.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(m.ffn_dim, m.dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DraftLayer(nn.Module):
-    def __init__(self, m: ModelConfig):
-        super().__init__()
-        self.self_attn = Attention(m)
-        self.mlp = MLP(m)
-        self.input_layernorm = RMSNorm(m.dim, m.norm_eps)
-        self.post_attention_layernorm = RMSNorm(m.dim, m.norm_eps)
-
-    def forward(self, x, ctx, cos, sin, mask, cache, index) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, cache, index)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def fresh_tensors(cfg: DFlashConfig, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+    """Weights to train from: matrices N(0, 0.02), norms at 1 (released names)."""
+    m, g = cfg.layer, generator
+    shapes = {"fc.weight": (m.dim, len(cfg.target_layer_ids) * m.dim), "hidden_norm.weight": (m.dim,),
+              "norm.weight": (m.dim,)}
+    layer = {"q": (m.n_heads * m.head_dim, m.dim), "k": (m.n_kv_heads * m.head_dim, m.dim),
+             "v": (m.n_kv_heads * m.head_dim, m.dim), "o": (m.dim, m.n_heads * m.head_dim),
+             "gate": (m.ffn_dim, m.dim), "up": (m.ffn_dim, m.dim), "down": (m.dim, m.ffn_dim),
+             "attn_norm": (m.dim,), "mlp_norm": (m.dim,), "q_norm": (m.head_dim,), "k_norm": (m.head_dim,)}
+    for i in range(m.n_layers):
+        shapes |= {f"layers.{i}.{HF_LAYER_NAMES[k]}": s for k, s in layer.items()}
+    return {name: torch.randn(s, generator=g) * 0.02 if len(s) == 2 else torch.ones(s) for name, s in shapes.items()}
 
 
 class DFlashModel(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
+    """The drafter's layers (layers.py) from weights under the released names, in `dtype`, or on the
+    int4 kernel (`int4`: beside an int4 target, for faster guesses; bfloat16 matmul inputs)."""
+
+    def __init__(self, cfg: DFlashConfig, tensors: dict[str, Tensor], dtype: torch.dtype = torch.float32,
+                 int4: bool = False, device: torch.device | str = "cpu"):
         super().__init__()
-        m = cfg.layer
-        self.cfg = cfg
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * m.dim, m.dim, bias=False)
-        self.hidden_norm = RMSNorm(m.dim, m.norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(m) for _ in range(m.n_layers))
-        self.norm = RMSNorm(m.dim, m.norm_eps)
-        self.register_buffer("inv_freq", rope_inv_freq(m), persistent=False)
+        m = self.m = cfg.layer
+        self.cfg, self.int4 = cfg, int4
+        self.dtype = torch.bfloat16 if int4 else dtype  # of the matmul inputs; the residual stream is float32
+        fc = tensors["fc.weight"]
+        self.fc = int4_if_fits(fc, self.dtype, device) if int4 else Linear(fc.to(device, self.dtype))
+        self.hidden_norm = RMSNorm(tensors["hidden_norm.weight"].to(device), m.norm_eps)
+        self.layers = nn.ModuleList()
+        for i in range(m.n_layers):
+            layer = hf_layer(tensors, f"layers.{i}.")
+            layer = quantize_layer(layer) if int4 else layer
+            self.layers.append(decoder_layer(m, build_layer(layer, self.dtype, int4, torch.device(device))))
+        self.norm = RMSNorm(tensors["norm.weight"].to(device), m.norm_eps)
+        self.inv_freq = rope_inv_freq(m).to(device)
+
+    def released_tensors(self) -> dict[str, Tensor]:
+        """The weights (float32) under the released checkpoint's names: to export, or to rebuild
+        in another dtype or on the int4 kernel."""
+        if self.int4:
+            raise ValueError("an int4 drafter keeps no float weights")
+        out = {"fc.weight": self.fc.weight, "hidden_norm.weight": self.hidden_norm.weight,
+               "norm.weight": self.norm.weight}
+        for i, layer in enumerate(self.layers):
+            out |= hf_names(layer_tensors(layer), f"layers.{i}.")
+        return {k: v.detach().float() for k, v in out.items()}
 
     def fuse(self, features: Tensor) -> Tensor:
         """Concatenated target hidden states [C, len(target_layer_ids) * D] -> context features [C, D]."""
-        return self.hidden_norm(self.fc(features))
+        return self.hidden_norm(self.fc(features.to(self.dtype)).float())
 
     def forward(self, x: Tensor, ctx: Tensor, positions: Tensor, masks: dict[str, Tensor | None],
                 cache: "ContextCache | None" = None) -> Tensor:
         """x [Q, D] embedded block tokens; ctx [C, D] fused context features; positions [C + Q]
         absolute positions (context rows first); masks: boolean [Q, keys] per layer type (True =
-        may attend), None for no mask. Returns the normed draft hidden states [Q, D]."""
-        freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        may attend), None for no mask. Returns the normed draft hidden states [Q, D].
+
+        Each layer's keys and values come from [context; block] through the same projections,
+        its queries from the block; with a cache, the new context rows' keys and values are kept
+        and attention also reads the cached ones."""
+        cos, sin = rope_tables(self.inv_freq, positions, x.device, torch.float32)
+        C, Q, m = ctx.shape[0], x.shape[0], self.m
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, cos, sin, masks.get(self.cfg.layer_types[i]), cache, i)
+            rows = torch.cat([ctx, layer.attn_norm(x)]).to(self.dtype)
+            q, k, v, gate = layer.attention.project(rows, cos, sin)
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+            if cache is not None:
+                k, v = cache.extend(i, k, v)
+            a = F.scaled_dot_product_attention(q[C:].transpose(0, 1)[None], k[None], v[None],
+                                               attn_mask=masks.get(self.cfg.layer_types[i]),
+                                               enable_gqa=m.n_heads != m.n_kv_heads)
+            a = a[0].transpose(0, 1).reshape(Q, m.n_heads * m.head_dim)
+            x = x + layer.attention.output(a, None if gate is None else gate[C:], self.dtype)
+            x = layer.feed_forward(x, self.dtype)
         if cache is not None:
-            cache.length += ctx.shape[0]
+            cache.length += C
         return self.norm(x)
 
 
@@ -228,11 +211,6 @@ def sliding_mask(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
 
 # ---- loading a released (or trained) drafter ----
 
-WEIGHT_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-                "self_attn.k_norm", "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
-                "mlp.down_proj")
-
-
 def check_fits(cfg: DFlashConfig, target_cfg: ModelConfig, where: str) -> None:
     """One clear line when the drafter was made for another target."""
     m, t = cfg.layer, target_cfg
@@ -258,16 +236,13 @@ def load_dflash(path: Path, target_cfg: ModelConfig) -> DFlashModel:
     """A DFlash drafter directory (config.json + safetensors, sharded or not), checked against the target."""
     from safetensors import safe_open
 
-    from backends.native.weights import _safetensors_files
-
     path = Path(path)
     if not (path / "config.json").exists():
         raise BackendError(f"{path}: no config.json; expected a DFlash drafter directory")
     cfg = DFlashConfig.from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
     check_fits(cfg, target_cfg, str(path))
-    model = DFlashModel(cfg)
-    want = dict(model.state_dict())
-    where = _safetensors_files(path)
+    want = {name: t.shape for name, t in fresh_tensors(cfg).items()}
+    where = safetensors_files(path)
     unknown = sorted(set(where) - set(want))
     if unknown:
         raise BackendError(f"{path}: {len(unknown)} tensors a DFlash drafter does not have (e.g. {unknown[0]}); "
@@ -284,11 +259,9 @@ def load_dflash(path: Path, target_cfg: ModelConfig) -> DFlashModel:
         raise BackendError(f"{path}: fc.weight takes {tensors['fc.weight'].shape[1]} inputs but "
                            f"{len(cfg.target_layer_ids)} target layers x hidden {cfg.layer.dim} = {fc_in}")
     for name, t in tensors.items():
-        if t.shape != want[name].shape:
-            raise BackendError(f"{path}: {name} has shape {tuple(t.shape)}, the config implies "
-                               f"{tuple(want[name].shape)}")
-    model.load_state_dict(tensors)
-    return model
+        if t.shape != want[name]:
+            raise BackendError(f"{path}: {name} has shape {tuple(t.shape)}, the config implies {tuple(want[name])}")
+    return DFlashModel(cfg, tensors)
 
 
 # ---- the drafter ----
@@ -311,16 +284,17 @@ class DFlashDrafter(Drafter):
         self.cfg = cfg = model.cfg
         tm = target.model
         self.device = tm.embed.device
-        self.dtype = torch.float32 if self.device.type == "cpu" else tm.dtype
-        self.model = model.to(self.device, self.dtype).eval()
-        if tm.runs_int4:  # the target's int4 kernel for the drafter's matrices and head: faster guesses
-            quantize_module(self.model)
+        # on an int4 target the drafter's matrices and head run on the same int4 kernel: faster guesses
+        dtype = torch.float32 if self.device.type == "cpu" else tm.dtype
+        if tm.runs_int4 or self.device.type != "cpu":
+            model = DFlashModel(cfg, model.released_tensors(), dtype, tm.runs_int4, self.device)
+        self.model = model.eval()
         self.head = drafting_head(tm)
         # the output of the last decoder layer is, as in Hugging Face hidden_states, taken after the final norm
         last = tm.cfg.n_layers - 1
         self.hidden_layers = tuple(FINAL if i == last else i for i in cfg.target_layer_ids)
         self.max_len = target.context_length
-        self.cache = ContextCache(cfg, self.max_len, self.dtype, self.device)
+        self.cache = ContextCache(cfg, self.max_len, torch.float32, self.device)  # keys in the RoPE tables' dtype
         self.pending: list[Tensor] = []  # committed target features not yet in the cache
         self.sampling = Sampling()
 
@@ -354,8 +328,8 @@ class DFlashDrafter(Drafter):
         self.pending = []
         B = self.cfg.block_size
         block = torch.tensor([tokens[-1]] + [self.cfg.mask_token_id] * (B - 1), device=self.device)
-        x = self.target.model.embed[block].to(self.dtype)
-        ctx = self.model.fuse(new.to(self.device, self.dtype))
+        x = self.target.model.embed[block].float()
+        ctx = self.model.fuse(new.to(self.device))
         positions = torch.arange(cache.length, n - 1 + B, device=self.device)
         masks = {}
         if self.cfg.sliding_window:

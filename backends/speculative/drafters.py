@@ -5,10 +5,10 @@ from typing import Sequence
 
 import torch
 
-from backends.base import BackendError, Sampling
-from backends.native.sampling import probs
-from backends.speculative.loop import Draft, Drafter, common_prefix
-from backends.speculative.ngram import NgramIndex
+from ..base import BackendError, Sampling
+from ..native.sampling import probs
+from .loop import Draft, Drafter, common_prefix
+from .ngram import NgramIndex
 
 
 class NgramDrafter(Drafter):

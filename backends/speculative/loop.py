@@ -19,12 +19,12 @@ from typing import Iterator, Optional, Protocol, Sequence
 
 import torch
 
-from backends.base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Event, Sampling, Step,
+from ..base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Event, Sampling, Step,
                            StreamStats)
-from backends.detok import IncrementalDetokenizer
-from backends.native.sampling import probs
-from backends.speculative.acceptance import accept_exact, accept_rejection
-from backends.speculative.gate import ALL, DraftGate
+from ..detok import IncrementalDetokenizer
+from ..native.sampling import probs
+from .acceptance import accept_exact, accept_rejection
+from .gate import ALL, DraftGate
 
 
 @dataclass
@@ -88,12 +88,12 @@ class Target(Protocol):
     context_length: int
     cached: list[int]  # token ids whose keys/values are in the cache
 
-    def choose_rows(self, sampling: Sampling) -> int | None:
+    def verify_chunk(self, sampling: Sampling) -> int | None:
         """Rows of a verify block per `choose` call that keep each row's bits and cost least
         (None: all rows in one call)."""
 
     def forward(self, tokens: Sequence[int], start_pos: int, hidden_layers: tuple[int, ...] = (),
-                all_logits: bool = True, exact_rows: bool = False,
+                all_logits: bool = True, row_exact: bool = False,
                 head: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
 
     def head_logits(self, states: torch.Tensor) -> torch.Tensor: ...
@@ -112,9 +112,9 @@ def target_choices(target: Target, states: torch.Tensor, draft: Sequence[int], p
                    sampling: Sampling) -> list[int]:
     """The target's own token at each block position, as far as `accept_exact` will look: the LM
     head (a full-vocabulary matmul, the largest single cost of a verify row on CPU) runs on
-    `target.choose_rows(sampling)` rows at a time and stops after the first chunk holding a
+    `target.verify_chunk(sampling)` rows at a time and stops after the first chunk holding a
     rejected draft."""
-    chunk = target.choose_rows(sampling) or len(positions)
+    chunk = target.verify_chunk(sampling) or len(positions)
     chosen: list[int] = []
     for lo in range(0, len(positions), chunk):
         hi = lo + chunk
@@ -132,7 +132,7 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
                        acceptance: str = "exact", cancel: Optional[threading.Event] = None,
                        strict: bool = False, gate: Optional[DraftGate] = None) -> Iterator[Event]:
     """`strict`: verify blocks with the arithmetic of single-token decoding, row by row
-    (the engine's `exact_rows`), so that not even a floating-point near-tie can flip a token.
+    (the engine's row-exact passes), so that not even a floating-point near-tie can flip a token.
     `gate`: draft from a source only while its passes are faster than plain ones (gate.py)."""
     stats = StreamStats(prompt_tokens=len(prompt))
     depth = drafter.plan_depth(depth)
@@ -187,7 +187,7 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
         started = time.perf_counter()
         draft = drafter.propose(tokens, k) if k else Draft([])
         d = draft.tokens[:k]
-        states, hidden = target.forward([tokens[-1]] + d, n - 1, layers, exact_rows=strict, head=False)
+        states, hidden = target.forward([tokens[-1]] + d, n - 1, layers, row_exact=strict, head=False)
         positions = list(range(n, n + len(d) + 1))
         if use_rejection and draft.q is not None and d:
             p = probs(target.head_logits(states), sampling)

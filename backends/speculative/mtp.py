@@ -12,11 +12,11 @@ from typing import Sequence
 
 import torch
 
-from backends.base import Sampling
-from backends.native.model import FINAL
-from backends.native.mtp import MtpHead
-from backends.native.sampling import probs, sample
-from backends.speculative.loop import Draft, Drafter
+from ..base import Sampling
+from ..native.model import FINAL
+from ..native.mtp import MtpHead
+from ..native.sampling import probs, sample
+from .loop import Draft, Drafter
 
 HIDDEN_SOURCES = ("post_norm", "pre_norm")
 

@@ -17,9 +17,9 @@ from dataclasses import replace
 
 import torch
 
-from backends.base import Sampling
-from backends.hf_reference import _cache_kwargs
-from backends.native import sampling as sampler
+from specchat.backends.base import Sampling
+from specchat.backends.hf_reference import cache_kwargs
+from specchat.backends.native import sampling as sampler
 from specchat.train.data import Sample
 
 
@@ -61,7 +61,7 @@ def generate_batch(model, prompts: list[list[int]], sampling: Sampling, top_k: i
         mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)
         positions = positions[:, -1:] + 1
         out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
-                    **_cache_kwargs(out))
+                    **cache_kwargs(out))
         logits = out.logits[:, -1].float()
     return [Sample("", list(p), reply, torch.stack(ti), torch.stack(tl), stop or "max_tokens")
             for p, reply, ti, tl, stop in zip(prompts, replies, top_ids, top_logp, stops)]

@@ -28,13 +28,13 @@ def per_token_ms(engine, n: int = 24, prompt_len: int = 64) -> float:
 def measure(profile, shapes, threads: int = 1, say=print) -> list[dict]:
     from transformers import LlamaForCausalLM
 
-    from backends.native.engine import TorchBackend
+    from specchat.loading import load_target
     from specchat.train.draft import draft_config, target_parts
 
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    target = TorchBackend.from_profile(profile.model_copy(update={"threads": threads}))
+    target = load_target(profile, threads=threads)
     rows = [{"model": "target", "ms_per_token": per_token_ms(target)}]
     say(f"target ({profile.name}): {rows[0]['ms_per_token']:.2f} ms/token")
     _, tcfg, tokenizer = target_parts(profile)

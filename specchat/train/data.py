@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from backends.base import BackendError, Sampling
+from specchat.backends.base import BackendError, Sampling
 from specchat.prompts import PromptItem, load_prompts
 from specchat.train import BATCH_DTYPES
 from specchat.train.progress import bar
@@ -198,10 +198,9 @@ def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128
 
 def _answer_one_by_one(profile, todo: list[PromptItem], sampling: Sampling, top_k: int, writer: ShardWriter,
                        total: int, batch: int, dtype: str) -> int:
-    from backends.native.engine import TorchBackend
-    from specchat.loading import messages_for
+    from specchat.loading import load_target, messages_for
 
-    engine = TorchBackend.from_profile(profile)
+    engine = load_target(profile)
     started, n_tokens = time.perf_counter(), 0
     try:
         with bar("target answers", total, total - len(todo)) as update:
@@ -225,9 +224,10 @@ def batched_model(profile, dtype: str = "bfloat16"):
 
     bfloat16 decodes a batch about 1.8x faster than float32 on CPUs with bfloat16 matrix units
     (413 against 231 tok/s, 48 replies here); a local GGUF is dequantized first either way."""
-    from backends.hf_reference import load_hf_model
-    from backends.native.engine import physical_cores
-    from backends.native.tokenizer import ChatTokenizer
+    from specchat import paths
+    from specchat.backends.cpu import thread_count
+    from specchat.backends.hf_reference import load_hf_model
+    from specchat.backends.native.tokenizer import ChatTokenizer
     from specchat.models import resolve_model
 
     ref = resolve_model(profile.model, profile.base_dir)
@@ -235,8 +235,8 @@ def batched_model(profile, dtype: str = "bfloat16"):
         raise BackendError("batched decoding needs a local model file or directory (the profile names a hub id)")
     if dtype not in BATCH_DTYPES:
         raise BackendError(f"--dtype {dtype}: batched decoding runs in {' or '.join(BATCH_DTYPES)}")
-    torch.set_num_threads(profile.threads or physical_cores())
-    return load_hf_model(ref.path, getattr(torch, dtype)), ChatTokenizer(ref.path)
+    torch.set_num_threads(thread_count(profile.threads))
+    return load_hf_model(ref.path, getattr(torch, dtype)), ChatTokenizer(ref.path, paths.cache_dir())
 
 
 def _answer_batched(profile, todo: list[PromptItem], sampling: Sampling, top_k: int, writer: ShardWriter,

@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backends.base import BackendError
-from backends.native.model import FINAL, ModelConfig
-from backends.speculative.dflash import FULL, DFlashConfig, DFlashModel, build_target_layer_ids, check_fits
+from specchat.backends.base import BackendError
+from specchat.backends.native.config import ModelConfig
+from specchat.backends.native.model import FINAL
+from specchat.backends.speculative.dflash import (FULL, DFlashConfig, DFlashModel, build_target_layer_ids, check_fits,
+                                                  fresh_tensors)
 from specchat.train.draft import (LOG, Example, TrainState, data_commands, data_info_of, load_examples, lr_at,
                                   schedule, split)
 from specchat.train.progress import bar
@@ -235,7 +237,8 @@ def retrain_command(profile, data: list[Path], out: Path, shape: DFlashShape,
 
 
 def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: DFlashTrainConfig, say=print) -> dict:
-    from backends.native.engine import TorchBackend, physical_cores
+    from specchat.backends.cpu import thread_count
+    from specchat.loading import load_target
 
     data = [Path(d) for d in data]
     data_info = data_info_of(data)
@@ -244,8 +247,8 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
     if not train_set:
         raise BackendError(f"{data[0]}: too few samples to train on ({len(examples)})")
     longest = max(len(e.tokens) for e in examples)
-    engine = TorchBackend.from_profile(profile.model_copy(update={"threads": cfg.threads, "context": longest}))
-    torch.set_num_threads(cfg.threads or physical_cores())
+    engine = load_target(profile, threads=cfg.threads, context=longest)
+    torch.set_num_threads(thread_count(cfg.threads))
     torch.use_deterministic_algorithms(True)
     t = engine.model.cfg
     if max(int(e.tokens.max()) for e in examples) >= t.vocab_size:
@@ -272,10 +275,7 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
     engine.close()
 
     torch.manual_seed(cfg.seed)
-    model = DFlashModel(dcfg).float()  # norms start at 1
-    for p in model.parameters():
-        if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02)
+    model = DFlashModel(dcfg, fresh_tensors(dcfg, torch.Generator().manual_seed(cfg.seed))).requires_grad_(True)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, wall = state.restore(model, opt, say)
     plan = schedule(len(train_set), [len(e.tokens) for e in train_set], cfg.batch_tokens, cfg.seed, cfg.steps)
@@ -336,7 +336,7 @@ def export(model: DFlashModel, out: Path) -> None:
     """config.json and bfloat16 model.safetensors in the released DFlash layout."""
     from safetensors.torch import save_file
 
-    sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.released_tensors().items()}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(model.cfg.to_hf() | {"torch_dtype": "bfloat16"}, indent=2))
 

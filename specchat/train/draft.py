@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backends.base import BackendError
+from specchat import paths
+from specchat.backends.base import BackendError
+from specchat.backends.cpu import thread_count
+from specchat.loading import target_path
 from specchat.train.data import INFO, read_manifest
 from specchat.train.progress import bar
 
@@ -60,21 +63,14 @@ class TrainConfig:
 
 # ---- the target's pieces ----
 
-def target_source(profile) -> tuple[Path, str]:
-    from specchat.models import fetch_hub, resolve_model
-
-    ref = resolve_model(profile.model, profile.base_dir)
-    return (fetch_hub(ref.location), "hf_dir") if ref.kind == "hub" else (Path(ref.path), ref.kind)
-
-
 def target_parts(profile):
     """(embedding float32 [V, D], model config, ChatTokenizer) of the target, via the engine's loaders."""
-    from backends.native.engine import load_checkpoint
-    from backends.native.tokenizer import ChatTokenizer
+    from specchat.backends.native.engine import load_checkpoint
+    from specchat.backends.native.tokenizer import ChatTokenizer
 
-    path, kind = target_source(profile)
-    ck = load_checkpoint(path, kind, keep_int4=False)
-    return ck.embed.float(), ck.cfg, ChatTokenizer(path)
+    path, kind = target_path(profile)
+    ck = load_checkpoint(path, kind, keep_int4=False, cache_dir=paths.cache_dir())
+    return ck.embed.float(), ck.cfg, ChatTokenizer(path, paths.cache_dir())
 
 
 def project_embedding(embed: torch.Tensor, hidden: int, gen: torch.Generator) -> torch.Tensor:
@@ -356,9 +352,7 @@ def retrain_command(profile, data: list[Path], out: Path, shape: DraftShape, cfg
 def train_draft(profile, data: list[Path], out: Path, shape: DraftShape, cfg: TrainConfig, say=print) -> dict:
     from transformers import LlamaForCausalLM
 
-    from backends.native.engine import physical_cores
-
-    torch.set_num_threads(cfg.threads or physical_cores())
+    torch.set_num_threads(thread_count(cfg.threads))
     torch.use_deterministic_algorithms(True)
     data = [Path(d) for d in data]
     data_info = data_info_of(data)

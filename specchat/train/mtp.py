@@ -27,11 +27,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.base import BackendError
-from backends.native.model import FINAL, ModelConfig, rope_inv_freq
-from backends.native.mtp import DRAFT_VOCAB
+from specchat import paths
+from specchat.backends.base import BackendError
+from specchat.backends.native.config import ModelConfig
+from specchat.backends.native.layers import RMSNorm, decoder_layer, rope_inv_freq, rope_tables
+from specchat.backends.native.linear import Linear
+from specchat.backends.native.model import FINAL
+from specchat.backends.native.weights import build_layer, hf_layer, hf_names, layer_tensors
+from specchat.backends.native.mtp import DRAFT_VOCAB
 from specchat.train.draft import (LOG, STATE_DIR, TrainState, data_commands, data_info_of, load_examples, lr_at,
-                                  prompt_sources, schedule, split, target_source)
+                                  prompt_sources, schedule, split)
+from specchat.loading import target_path
 from specchat.train.progress import bar
 
 
@@ -70,7 +76,7 @@ def compute_features(profile, examples, cfg: MtpTrainConfig, cache: Path, say=pr
     """The target's states and next-token distributions over every sequence (cached on disk)."""
     from safetensors.torch import load_file, save_file
 
-    from backends.native.engine import TorchBackend
+    from specchat.loading import load_target
 
     key = hashlib.sha256(json.dumps([profile.model, profile.dtype, cfg.hidden_source, cfg.top_k,
                                      [e.id for e in examples], [int(e.tokens.sum()) for e in examples]]).encode())
@@ -79,7 +85,7 @@ def compute_features(profile, examples, cfg: MtpTrainConfig, cache: Path, say=pr
         st = load_file(str(path))
         return [Entries(e.tokens, st[f"{i}.h"], st[f"{i}.ids"].long(), st[f"{i}.logp"])
                 for i, e in enumerate(examples)]
-    engine = TorchBackend.from_profile(profile.model_copy(update={"context": max(len(e.tokens) for e in examples) + 1}))
+    engine = load_target(profile, context=max(len(e.tokens) for e in examples) + 1)
     layer = FINAL if cfg.hidden_source == "post_norm" else engine.model.cfg.n_layers - 1
     head = engine.model.head.weight if engine.model.head.weight is not None else engine.model.embed
     out, tensors = [], {}
@@ -115,23 +121,33 @@ def choose_draft_vocab(seqs: list[Entries], size: int, vocab_size: int) -> torch
 
 # ---- the head, in training form ----
 
-def rms(x, w, eps):
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
-
-
 class MtpTrainHead(nn.Module):
-    """The same math as backends.native.mtp.MtpHead (tested equal), batched for training."""
+    """The math of backends.native.mtp.MtpHead (tested equal) on the same layers, batched and
+    trainable: u = eh_proj([enorm(e), hnorm(h)]), g = norm(layer(u))."""
 
-    def __init__(self, cfg: ModelConfig, init_layer: dict, final_norm: torch.Tensor):
+    def __init__(self, cfg: ModelConfig, layer: dict[str, torch.Tensor], final_norm: torch.Tensor,
+                 exported: dict[str, torch.Tensor] | None = None):
+        """`layer`: the decoder layer to start from (short names, e.g. the target's last layer);
+        `exported`: enorm, hnorm, eh_proj as `state_for_export` names them (default: e + h)."""
         super().__init__()
-        d = cfg.dim
+        d, eps = cfg.dim, cfg.norm_eps
         self.cfg = cfg
-        p = lambda t: nn.Parameter(t.detach().float().clone())  # noqa: E731
-        self.enorm, self.hnorm = p(torch.ones(d)), p(torch.ones(d))
-        self.eh_proj = p(torch.cat([torch.eye(d), torch.eye(d)], dim=1))  # starts as e + h
-        self.layer = nn.ParameterDict({k: p(v) for k, v in init_layer.items()})
-        self.norm = p(final_norm)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        ex = exported or {}
+        self.enorm = RMSNorm(ex.get("enorm", torch.ones(d)).float().clone(), eps)
+        self.hnorm = RMSNorm(ex.get("hnorm", torch.ones(d)).float().clone(), eps)
+        self.eh_proj = Linear(ex.get("eh_proj", torch.cat([torch.eye(d), torch.eye(d)], dim=1)).float().clone())
+        self.layer = decoder_layer(cfg, build_layer({k: v.detach().float().clone() for k, v in layer.items()},
+                                                    torch.float32, False, torch.device("cpu")))
+        self.norm = RMSNorm(final_norm.detach().float().clone(), eps)
+        self.inv_freq = rope_inv_freq(cfg)
+        self.requires_grad_(True)
+
+    @classmethod
+    def from_export(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> "MtpTrainHead":
+        """The head `state_for_export` wrote (a DeepSeek-layout head for a target of cfg.n_layers layers)."""
+        p = f"model.layers.{cfg.n_layers}."
+        return cls(cfg, hf_layer(tensors, p), tensors[p + "shared_head.norm.weight"],
+                   {k: tensors[p + f"{k}.weight"] for k in ("enorm", "hnorm", "eh_proj")})
 
     def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor,
                 deeper_embed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -141,59 +157,43 @@ class MtpTrainHead(nn.Module):
         the head's own g[t] fed back with x[t+2] at entry t+1, attending to the real entries 0..t
         and itself, exactly as when drafting at depth 2. Returns (g, g2 [B, T-1, D] or None)."""
         B, T, _ = hidden.shape
-        u = self._project(hidden, next_embed)
-        q, k, v = self._qkv(u, torch.arange(T))
-        g = self._finish(u, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]))
+        cos, sin = rope_tables(self.inv_freq, T)
+        real: dict[str, torch.Tensor] = {}
+
+        def causal(q, k, v):  # [B, T, heads, hd]
+            real["k"], real["v"] = k, v
+            return _attention(q, k, v, None)
+
+        g = self.norm(self.layer(self._project(hidden, next_embed), causal, cos, sin, torch.float32))
         if deeper_embed is None:
             return g, None
-        u2 = self._project(g[:, :-1], deeper_embed)
-        q2, k2, v2 = self._qkv(u2, torch.arange(1, T))
-        real = torch.arange(T)[None, :] <= torch.arange(T - 1)[:, None]  # entry t+1 sees real entries 0..t
-        own = torch.eye(T - 1, dtype=torch.bool)  # ... and itself
-        a2 = F.scaled_dot_product_attention(q2, torch.cat([k, k2], 2), torch.cat([v, v2], 2),
-                                            attn_mask=torch.cat([real, own], 1), enable_gqa=q.shape[1] != k.shape[1])
-        return g, self._finish(u2, a2)
+        sees_real = torch.arange(T)[None, :] <= torch.arange(T - 1)[:, None]  # entry t+1 sees real entries 0..t
+        mask = torch.cat([sees_real, torch.eye(T - 1, dtype=torch.bool)], 1)  # ... and itself
+
+        def after_real(q, k, v):
+            return _attention(q, torch.cat([real["k"], k], 1), torch.cat([real["v"], v], 1), mask)
+
+        g2 = self.norm(self.layer(self._project(g[:, :-1], deeper_embed), after_real, cos[1:], sin[1:], torch.float32))
+        return g, g2
 
     def _project(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
-        eps = self.cfg.norm_eps
-        return torch.cat([rms(next_embed, self.enorm, eps), rms(hidden, self.hnorm, eps)], -1) @ self.eh_proj.T
-
-    def _qkv(self, u: torch.Tensor, positions: torch.Tensor):
-        c, L = self.cfg, self.layer
-        B, T, _ = u.shape
-        h = rms(u, L["attn_norm"], c.norm_eps)
-        q = (h @ L["q"].T).view(B, T, c.n_heads, c.head_dim)
-        k = (h @ L["k"].T).view(B, T, c.n_kv_heads, c.head_dim)
-        v = (h @ L["v"].T).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        freqs = torch.outer(positions.float(), self.inv_freq)
-        cos, sin = torch.cat([freqs.cos()] * 2, -1)[:, None], torch.cat([freqs.sin()] * 2, -1)[:, None]
-
-        def rope(x):
-            x1, x2 = x.chunk(2, dim=-1)
-            return x * cos + torch.cat([-x2, x1], -1) * sin
-
-        return rope(q).transpose(1, 2), rope(k).transpose(1, 2), v
-
-    def _finish(self, u: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """Attention output a [B, H, T, hd] -> the rest of the layer and the final norm."""
-        c, L = self.cfg, self.layer
-        B, _, T, _ = a.shape
-        u = u + a.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim) @ L["o"].T
-        h = rms(u, L["mlp_norm"], c.norm_eps)
-        u = u + (F.silu(h @ L["gate"].T) * (h @ L["up"].T)) @ L["down"].T
-        return rms(u, self.norm, c.norm_eps)
+        return self.eh_proj(torch.cat([self.enorm(next_embed), self.hnorm(hidden)], -1))
 
     def state_for_export(self, n_layers: int) -> dict[str, torch.Tensor]:
         """Tensors in the DeepSeek-V3 MTP layout for a target of `n_layers` layers."""
         p = f"model.layers.{n_layers}."
-        names = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
-                 "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
-                 "down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
-                 "mlp_norm": "post_attention_layernorm.weight"}
-        out = {p + names[k]: v for k, v in self.layer.items()}
-        out |= {p + "enorm.weight": self.enorm, p + "hnorm.weight": self.hnorm, p + "eh_proj.weight": self.eh_proj,
-                p + "shared_head.norm.weight": self.norm}
+        out = hf_names(layer_tensors(self.layer), p)
+        out |= {p + "enorm.weight": self.enorm.weight, p + "hnorm.weight": self.hnorm.weight,
+                p + "eh_proj.weight": self.eh_proj.weight, p + "shared_head.norm.weight": self.norm.weight}
         return {k: v.detach() for k, v in out.items()}
+
+
+def _attention(q, k, v, mask):
+    """q [B, T, H, hd] over k, v [B, S, Hkv, hd] (mask None: causal) -> [B, T, H * hd]."""
+    B, T, H, hd = q.shape
+    a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                       is_causal=mask is None, enable_gqa=H != k.shape[2])
+    return a.transpose(1, 2).reshape(B, T, H * hd)
 
 
 # ---- batches and loss ----
@@ -266,13 +266,14 @@ def evaluate(model, head_w, seqs, embed, to_sub, cfg) -> dict:
 # ---- training ----
 
 def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=print) -> dict:
-    from backends.native.engine import load_checkpoint, physical_cores
-    from backends.native.weights import Int4Rows
+    from specchat.backends.cpu import thread_count
+    from specchat.backends.native.engine import load_checkpoint
+    from specchat.backends.native.int4 import Int4Rows
 
     if profile.backend != "torch":
         raise BackendError(f"profile '{profile.name}' uses backend '{profile.backend}'; MTP training needs the "
                            "torch engine (backend: torch)")
-    torch.set_num_threads(cfg.threads or physical_cores())
+    torch.set_num_threads(thread_count(cfg.threads))
     data = [Path(d) for d in data]
     examples = load_examples(data, cfg.max_prompt_tokens)
     train_ex, eval_ex = split(examples, cfg.holdout, cfg.seed)
@@ -281,8 +282,8 @@ def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=pri
     state_dir = out / STATE_DIR
     state_dir.mkdir(parents=True, exist_ok=True)
 
-    path, kind = target_source(profile)
-    ck = load_checkpoint(path, kind, keep_int4=False)
+    path, kind = target_path(profile)
+    ck = load_checkpoint(path, kind, keep_int4=False, cache_dir=paths.cache_dir())
     tcfg: ModelConfig = ck.cfg
     if max(int(e.tokens.max()) for e in examples) >= tcfg.vocab_size:
         raise BackendError(f"{data[0]}: token ids beyond the target's vocabulary; was it made with another target?")

@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from backends.base import BackendError, Sampling
+from specchat.backends.base import BackendError, Sampling
 from specchat.train.progress import bar
 
 _SENTINEL = "\x00specchat-user-turn\x00"

@@ -21,7 +21,7 @@ from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import Footer, Label, Sparkline, Static
 
-from backends.base import Backend, BackendError, Request, Summary
+from specchat.backends.base import Backend, BackendError, Request, Summary
 from specchat.compare import IDENTICAL, Verdict, near_tie_margin
 from specchat.live import Failed, Item, LiveStats, one_line, format_rate, pump, speculation_figures
 from specchat.loading import messages_for, sampling_of

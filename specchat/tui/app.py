@@ -10,7 +10,7 @@ from textual.app import App, SystemCommand
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.screen import Screen
 
-from backends.base import Backend, BackendError, Summary
+from specchat.backends.base import Backend, BackendError, Summary
 from specchat import loading
 from specchat.conversation import Conversation
 from specchat.history import History, HistoryError

@@ -14,7 +14,7 @@ from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import Footer, LoadingIndicator
 
-from backends.base import Request, Summary
+from specchat.backends.base import Request, Summary
 from specchat.live import Failed, Item, LiveStats, format_rate, pump, speculation_figures, speculation_note
 from specchat.loading import messages_for, sampling_of
 from specchat.tui.budget import RenderBudget

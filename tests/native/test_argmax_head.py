@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.base import Request, Sampling, run_to_summary
-from backends.native.argmax_head import ArgmaxHead, for_head
-from backends.native.engine import TorchBackend
-from backends.native.sampling import sample
+from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.native.argmax_head import ArgmaxHead, for_head
+from specchat.backends.native.engine import TorchBackend
+from specchat.backends.native.sampling import sample
+from specchat.paths import cache_dir
 
 CHOICES = [Sampling(), Sampling(temperature=0.7, seed=3), Sampling(temperature=1.0, seed=8),
            Sampling(temperature=0.2, seed=1)]
@@ -77,7 +78,7 @@ def test_rows_choose_the_same_however_many_come_together(s):
 @pytest.mark.parametrize("s", CHOICES[:2], ids=["greedy", "t0.7"])
 def test_decoding_on_the_real_model_is_unchanged(real_gguf, s):
     """Through the int8 head the engine decodes what it decodes through the float32 head."""
-    engine = TorchBackend(real_gguf, context=512)
+    engine = TorchBackend(real_gguf, context=512, cache_dir=cache_dir())
     head = engine.model.argmax_head
     assert head is not None
     ids = engine.tokenize_chat([{"role": "user", "content": "Write a haiku about rain, then explain it."}])

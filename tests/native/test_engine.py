@@ -6,9 +6,9 @@ import threading
 import pytest
 import torch
 
-from backends.base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, BackendError, Request,
+from specchat.backends.base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, BackendError, Request,
                            Sampling, Step, Summary, run_to_summary)
-from backends.native.engine import TorchBackend
+from specchat.backends.native.engine import TorchBackend
 
 HELLO = [{"role": "user", "content": "hello world"}]
 
@@ -112,7 +112,7 @@ def test_second_turn_reuses_the_cache_and_matches_a_fresh_engine(engine, tiny_di
 
 
 def test_transformers_reference_backend_streams_the_same_reply(tiny_dirs, engine):
-    from backends.hf_reference import TransformersBackend
+    from specchat.backends.hf_reference import TransformersBackend
 
     reference = TransformersBackend(tiny_dirs["llama"], context=64)
     for s in (Sampling(max_tokens=12), Sampling(temperature=0.8, top_k=20, seed=5, max_tokens=12)):
@@ -122,7 +122,7 @@ def test_transformers_reference_backend_streams_the_same_reply(tiny_dirs, engine
 
 
 def test_prefill_with_hidden_reports_what_it_computed(engine):
-    from backends.native.model import FINAL
+    from specchat.backends.native.model import FINAL
 
     prompt = engine.tokenize_chat(HELLO)
     engine.truncate(0)

@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.base import BackendError
-from backends.hf_reference import load_hf_model
-from backends.native.engine import TorchBackend
-from backends.native.gguf_loader import _unpermute_rows, load_gguf
-from backends.native.weights import Int4Rows, load_hf_dir
+from specchat.backends.base import BackendError
+from specchat.backends.hf_reference import load_hf_model
+from specchat.backends.native.engine import TorchBackend
+from specchat.backends.native.gguf_loader import _unpermute_rows, load_gguf
+from specchat.backends.native.int4 import Int4Rows
+from specchat.backends.native.weights import load_hf_dir
 from tests.native.tiny import _llamacpp_permute
 
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
@@ -51,7 +52,7 @@ def test_q4_blocks_are_kept_exactly(tiny_ggufs):
 
 
 def test_int4_kernel_computes_the_q4_weights(tiny_ggufs):
-    from backends.native.weights import _linear
+    from specchat.backends.native.weights import _linear
 
     w = load_gguf(tiny_ggufs["Q4_1"], keep_int4=True).layers[1]["gate"]
     linear = _linear([w], [None], torch.bfloat16, int4=True, device=torch.device("cpu"))
@@ -68,7 +69,7 @@ def test_int4_model_is_close_to_dequantized_float32(tiny_ggufs):
     ref_engine = TorchBackend(path, precision="float32", context=64)
     engine = TorchBackend(path, precision="int4", context=64)
     assert engine.precision == "int4"
-    assert engine.model.blocks[0].qkv.int4 is not None
+    assert engine.model.layers[0].attention.qkv.int4 is not None
     ids = engine.tokenize_chat(MESSAGES)
     ref, _ = ref_engine.forward(ids, 0)
     got, _ = engine.forward(ids, 0)
@@ -83,13 +84,12 @@ def test_auto_precision_picks_int4_for_q4_gguf_on_cpu(tiny_ggufs):
 
 
 def test_gguf_tokenizer_is_cached_and_identical(tiny_ggufs, tmp_path, monkeypatch):
-    from backends.native import tokenizer as tk
+    from specchat.backends.native import tokenizer as tk
 
-    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
     path = tiny_ggufs["F32"]
-    first = tk.ChatTokenizer(path)
-    assert (tk._gguf_cache_dir(path) / "tokenizer_config.json").exists()
-    second = tk.ChatTokenizer(path)
+    first = tk.ChatTokenizer(path, tmp_path)
+    assert (tk.gguf_tokenizer_dir(path, tmp_path) / "tokenizer_config.json").exists()
+    second = tk.ChatTokenizer(path, tmp_path)
     text = first.render_chat(MESSAGES)
     assert text == second.render_chat(MESSAGES) and text.endswith("<|im_start|>assistant\n")
     assert first.encode(text) == second.encode(text)
@@ -106,32 +106,32 @@ def _same_checkpoint(a, b) -> bool:
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q4_1"])
-def test_gguf_index_is_cached_and_loads_the_same_weights(tiny_ggufs, qtype, monkeypatch):
+def test_gguf_index_is_cached_and_loads_the_same_weights(tiny_ggufs, qtype, monkeypatch, tmp_path):
     """After the first load the metadata and tensor layout come from the cached index, without
     parsing the file's fields (the slow part for a real vocabulary)."""
     import gguf
 
-    from backends.native import gguf_loader
+    from specchat.backends.native import gguf_loader
 
     path = tiny_ggufs[qtype]
-    first = load_gguf(path, keep_int4=True)
-    assert gguf_loader._index_path(path).exists()
+    first = load_gguf(path, keep_int4=True, cache_dir=tmp_path)
+    assert gguf_loader.index_path(path, tmp_path).exists()
 
     def no_parsing(*args, **kwargs):
         raise AssertionError("the GGUF was parsed again")
 
     monkeypatch.setattr(gguf, "GGUFReader", no_parsing)
-    assert _same_checkpoint(load_gguf(path, keep_int4=True), first)
+    assert _same_checkpoint(load_gguf(path, keep_int4=True, cache_dir=tmp_path), first)
 
 
-def test_a_damaged_gguf_index_is_rebuilt(tiny_ggufs):
-    from backends.native import gguf_loader
+def test_a_damaged_gguf_index_is_rebuilt(tiny_ggufs, tmp_path):
+    from specchat.backends.native import gguf_loader
 
     path = tiny_ggufs["Q8_0"]
-    first = load_gguf(path)
-    index = gguf_loader._index_path(path)
+    first = load_gguf(path, cache_dir=tmp_path)
+    index = gguf_loader.index_path(path, tmp_path)
     index.write_text("{not json")
-    assert _same_checkpoint(load_gguf(path), first)
+    assert _same_checkpoint(load_gguf(path, cache_dir=tmp_path), first)
     assert index.read_text().startswith('{"fields"')
 
 

@@ -1,7 +1,7 @@
 """The transformers reference row of `specchat bench` streams the same greedy reply as the engine."""
-from backends.base import Request, Sampling, run_to_summary
-from backends.hf_reference import TransformersBackend
-from backends.native.engine import TorchBackend
+from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.hf_reference import TransformersBackend
+from specchat.backends.native.engine import TorchBackend
 
 CHAT = [{"role": "user", "content": "the quick brown fox"}]
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.base import Sampling
-from backends.hf_reference import load_hf_model
-from backends.native.engine import TorchBackend
-from backends.native.model import ATTENTION_PAD, FINAL, Linear
+from specchat.backends.base import Sampling
+from specchat.backends.hf_reference import load_hf_model
+from specchat.backends.native.engine import TorchBackend
+from specchat.backends.native.exact_rows import ATTENTION_PAD
+from specchat.backends.native.linear import Linear
+from specchat.backends.native.model import FINAL
 from tests.native.tiny import LAYOUTS
 
 FP32_TOL = 1e-4  # max abs logit difference, float32 vs transformers float32 (logits are O(10))
@@ -120,7 +122,7 @@ def test_exact_rows_across_an_attention_pad_boundary(tiny_ggufs, context):
     engine.forward(prefix, 0)
     engine.forward([5] * 8, len(prefix))  # stale keys past the rollback point must stay masked out
     engine.truncate(len(prefix))
-    block_logits, _ = engine.forward(block, len(prefix), exact_rows=True)
+    block_logits, _ = engine.forward(block, len(prefix), row_exact=True)
     engine.truncate(len(prefix))
     singles = torch.cat([engine.forward([t], len(prefix) + i)[0] for i, t in enumerate(block)])
     assert torch.equal(block_logits, singles)
@@ -134,11 +136,11 @@ def test_exact_rows_block_is_bitwise_equal_to_single_token_passes(tiny_ggufs, pr
     """What makes greedy speculative output identical to target-only: the verify pass over K
     tokens gives each position the very bits a single-token decode pass gives."""
     engine = TorchBackend(tiny_ggufs["Q4_1"], precision=precision, context=64)
-    assert engine.rows_bitwise
+    assert engine.row_exact_supported
     ids = engine.tokenize_chat(MESSAGES)
     prefix, block = ids[:-7], ids[-7:]
     engine.forward(prefix, 0)
-    block_logits, block_hidden = engine.forward(block, len(prefix), hidden_layers=(1, FINAL), exact_rows=True)
+    block_logits, block_hidden = engine.forward(block, len(prefix), hidden_layers=(1, FINAL), row_exact=True)
     engine.truncate(len(prefix))
     singles = [engine.forward([t], len(prefix) + i, hidden_layers=(1, FINAL)) for i, t in enumerate(block)]
     assert torch.equal(block_logits, torch.cat([s[0] for s in singles]))
@@ -149,7 +151,7 @@ def test_exact_rows_block_is_bitwise_equal_to_single_token_passes(tiny_ggufs, pr
 def test_the_dense_copy_is_multiplied_in_bfloat16_only_on_cpus_with_bfloat16_instructions(monkeypatch):
     """Chosen by the CPU's flags, never by a timing that a shared machine could flip: the choice
     sets a prefill's arithmetic and so the reply."""
-    from backends.native.model import dense_compute_dtype
+    from specchat.backends.native.linear import dense_compute_dtype
 
     for avx512_bf16, amx, expected in ((False, False, torch.float32), (True, False, torch.bfloat16),
                                        (False, True, torch.bfloat16)):
@@ -161,14 +163,14 @@ def test_the_dense_copy_is_multiplied_in_bfloat16_only_on_cpus_with_bfloat16_ins
 def test_int4_prefill_runs_on_a_dense_copy_and_verify_rows_never_do(tiny_ggufs, monkeypatch):
     """Passes of DENSE_MIN_ROWS rows or more (prefill) use a bfloat16 copy of the int4 weights;
     exact rows (strict verification) stay on the int4 kernel, bit for bit single-token passes."""
-    import backends.native.weights as weights
-    from backends.native.model import DENSE_MIN_ROWS
+    import specchat.backends.native.weights as weights
+    from specchat.backends.native.linear import DENSE_MIN_ROWS
 
     engine = TorchBackend(tiny_ggufs["Q4_1"], precision="int4", context=96)
-    assert all(b.qkv.dense is not None and b.down.dense is not None for b in engine.model.blocks)
+    assert all(b.attention.qkv.dense is not None and b.mlp.down.dense is not None for b in engine.model.layers)
     monkeypatch.setattr(weights, "DENSE_COPY_MAX_BYTES", 0)
     int4_only = TorchBackend(tiny_ggufs["Q4_1"], precision="int4", context=96)
-    assert all(b.qkv.dense is None for b in int4_only.model.blocks)
+    assert all(b.attention.qkv.dense is None for b in int4_only.model.layers)
 
     ids = engine.tokenize_chat(MESSAGES)
     assert len(ids) >= DENSE_MIN_ROWS
@@ -187,8 +189,8 @@ def test_int4_prefill_runs_on_a_dense_copy_and_verify_rows_never_do(tiny_ggufs, 
     assert len(block) >= DENSE_MIN_ROWS
     for e in (engine, int4_only):
         e.truncate(len(ids))
-    block_logits, _ = engine.forward(block, len(ids), exact_rows=True)
-    reference, _ = int4_only.forward(block, len(ids), exact_rows=True)
+    block_logits, _ = engine.forward(block, len(ids), row_exact=True)
+    reference, _ = int4_only.forward(block, len(ids), row_exact=True)
     engine.truncate(len(ids))
     singles = torch.cat([engine.forward([t], len(ids) + i)[0] for i, t in enumerate(block)])
     assert torch.equal(block_logits, singles)
@@ -209,47 +211,47 @@ def test_prefill_from_zero_equals_a_prefill_in_two_parts(tiny_ggufs):
 
 
 def _row_modes(kv_heads: int, group: int, head_dim: int) -> list[str]:
-    """The ways `_attend_rows` may compute a block's rows on this machine: those under which the
+    """The ways `attend_rows` may compute a block's rows on this machine: those under which the
     probe found this CPU's kernel keeps a row's bits, and always one call per row."""
-    from backends.native.model import ATTENTION_ROWS, _rows_keep_their_bits
+    from specchat.backends.native.exact_rows import ATTENTION_MODES, mode_keeps_row_bits
 
-    return [rows for rows in ATTENTION_ROWS
-            if rows == "separate" or _rows_keep_their_bits(kv_heads, group, head_dim, torch.bfloat16, rows)]
+    return [rows for rows in ATTENTION_MODES
+            if rows == "separate" or mode_keeps_row_bits(kv_heads, group, head_dim, torch.bfloat16, rows)]
 
 
 @pytest.mark.parametrize("kv_heads,group,head_dim", [(3, 3, 64), (2, 1, 32), (1, 4, 64), (2, 7, 16), (4, 2, 128)])
 def test_attention_rows_are_each_a_single_token_pass(kv_heads, group, head_dim):
-    """`_attend_rows` computes a verify block's rows in one attention call (or, where this CPU's
+    """`attend_rows` computes a verify block's rows in one attention call (or, where this CPU's
     kernel would change a row's bits with the rows around it, in padded calls or a call per row);
     each row must come out bit for bit as the attention a single-token pass computes at that
-    position (blocks of the sizes `padded_span` groups, and longer ones over several of the
+    position (blocks of the sizes `key_span` groups, and longer ones over several of the
     kernel's key blocks)."""
     for rows in _row_modes(kv_heads, group, head_dim):
         _check_attention_rows(kv_heads, group, head_dim, rows)
 
 
 def _check_attention_rows(kv_heads: int, group: int, head_dim: int, rows: str) -> None:
-    from backends.native.model import _attend_rows, key_mask, padded_span
+    from specchat.backends.native.exact_rows import attend_rows, key_mask, key_span
 
     g = torch.Generator().manual_seed(kv_heads * 100 + group)
     cache = [torch.randn(1, kv_heads, 1100, head_dim, generator=g).bfloat16() for _ in range(2)]
     blocks = []
     for start in (0, 37, 250, 480):
-        n_keys = padded_span(start + 1, 1100)
-        blocks.append((start, n_keys, sum(padded_span(e, 1100) == n_keys for e in range(start + 1, start + 9))))
+        n_keys = key_span(start + 1, 1100)
+        blocks.append((start, n_keys, sum(key_span(e, 1100) == n_keys for e in range(start + 1, start + 9))))
     for start, n_keys, n in blocks + [(560, 576, 16), (1076, 1088, 12)]:
         q = (3 * torch.randn(kv_heads * group, n, head_dim, generator=g)).bfloat16()
         ends = torch.arange(start + 1, start + n + 1)
-        block = _attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, torch.bfloat16, (kv_heads, group)), rows)
+        block = attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, torch.bfloat16, (kv_heads, group)), rows)
         for i in range(n):
-            one = _attend_rows(q[:, i:i + 1], *cache, n_keys, key_mask(ends[i:i + 1], n_keys, torch.bfloat16), rows)
+            one = attend_rows(q[:, i:i + 1], *cache, n_keys, key_mask(ends[i:i + 1], n_keys, torch.bfloat16), rows)
             assert torch.equal(block[0, :, i], one[0, :, 0]), (n_keys, n, i, rows)
 
 
 def test_padded_attention_calls_have_no_small_query_block():
     """"padded" adds 1-4 zero query rows (never 0: a compiled graph would guard on it) so that
     every query block of CPU flash attention (32, 64 or 256 rows by the call's size) has 4 or more."""
-    from backends.native.model import _query_block, _rows_to_pad
+    from specchat.backends.native.exact_rows import _query_block, _rows_to_pad
 
     for rows in range(1, 1200):
         pad = _rows_to_pad(rows)
@@ -263,7 +265,7 @@ def test_attention_rows_of_long_blocks_are_each_a_single_token_pass(group):
     of 32 (64 from 192 rows on), and a last block of a single row (11 rows of 3 query heads each: 33)
     comes out with other bits now and then (2 draws in 200 here); padded calls avoid every small last
     block: each row count up to 65, over 200 draws in the machine's fastest mode."""
-    from backends.native.model import _attend_rows, key_mask
+    from specchat.backends.native.exact_rows import attend_rows, key_mask
 
     kv_heads, head_dim, n_keys = 3, 64, 192
     rows = _row_modes(kv_heads, group, head_dim)[0]
@@ -276,8 +278,8 @@ def test_attention_rows_of_long_blocks_are_each_a_single_token_pass(group):
         for n in sorted(counts):
             q = (scale * torch.randn(kv_heads * group, n, head_dim, generator=g)).bfloat16()
             ends = torch.full((n,), n_keys)
-            block = _attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, torch.bfloat16, (kv_heads, group)), rows)
-            one = _attend_rows(q[:, -1:], *cache, n_keys, key_mask(ends[-1:], n_keys, torch.bfloat16), rows)
+            block = attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, torch.bfloat16, (kv_heads, group)), rows)
+            one = attend_rows(q[:, -1:], *cache, n_keys, key_mask(ends[-1:], n_keys, torch.bfloat16), rows)
             assert torch.equal(block[0, :, -1], one[0, :, 0]), (seed, n, rows)
 
 
@@ -286,12 +288,13 @@ def test_compiled_graphs_check_the_first_layers_guards_only():
     later layers go, those on the inputs, the first layer and everything else stay."""
     from types import SimpleNamespace
 
-    from backends.native.model import _first_layer_guards
+    from specchat.backends.native.exact_rows import first_layer_guards
 
-    names = {"x": True, "mask": True, "n_keys": True, "self.rope_cos": True, "self.cache.k[0]": True,
-             "self.cache.v[12]": False, "self._modules['blocks']": True,
-             "self._modules['blocks']._modules['0']._modules['qkv'].int4[0]": True,
-             "self._modules['blocks']._modules['1']._modules['qkv'].int4[0]": False,
-             "self._modules['blocks']._modules['10'].attn_norm": False,
-             "self._modules['blocks']._modules['29']._modules['o']._forward_hooks": False}
-    assert _first_layer_guards([SimpleNamespace(name=n) for n in names]) == list(names.values())
+    layers = "self.model._modules['layers']._modules"
+    names = {"x": True, "mask": True, "n_keys": True, "self.model.rope_cos": True, "self.model.cache.k[0]": True,
+             "self.model.cache.v[12]": False, "self.model._modules['layers']": True,
+             f"{layers}['0']._modules['attention']._modules['qkv'].int4[0]": True,
+             f"{layers}['1']._modules['attention']._modules['qkv'].int4[0]": False,
+             f"{layers}['10']._modules['attn_norm']._parameters['weight']": False,
+             f"{layers}['29']._modules['attention']._modules['o']._forward_hooks": False}
+    assert first_layer_guards([SimpleNamespace(name=n) for n in names]) == list(names.values())

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from backends.base import BackendError
-from backends.native.engine import TorchBackend
-from backends.native.mtp import MtpHead, read_mtp, unsupported_main_model
+from specchat.backends.base import BackendError
+from specchat.backends.native.engine import TorchBackend
+from specchat.backends.native.mtp import MtpHead, read_mtp, unsupported_main_model
 from tests.native.tiny import MTP_LAYOUT_FAMILY, add_mtp_head, make_hf_checkpoint, mtp_tensor_names
 
 
@@ -132,7 +132,7 @@ def test_unsupported_main_models_are_named():
 
 
 def test_builtin_head_of_an_unsupported_model_says_so(tmp_path):
-    from backends.speculative.backend import check_builtin_mtp
+    from specchat.loading import load_speculative
     from specchat.profiles import Profile
 
     ckpt = make_hf_checkpoint(tmp_path / "m", "llama", seed=1)
@@ -141,7 +141,7 @@ def test_builtin_head_of_an_unsupported_model_says_so(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(cfg | {"n_routed_experts": 8}))
     profile = Profile(name="x", model=str(ckpt), speculative={"method": "mtp"})
     with pytest.raises(BackendError, match=r"MTP head read and valid \(DeepSeek-V3 / GLM-4.5 layout, 1 layer"):
-        check_builtin_mtp(profile)
+        load_speculative(profile)
 
 
 def test_head_on_an_int4_target_runs_the_int4_kernel(tiny_dirs, tiny_ggufs, tmp_path):
@@ -155,8 +155,9 @@ def test_head_on_an_int4_target_runs_the_int4_kernel(tiny_dirs, tiny_ggufs, tmp_
     dense = TorchBackend(tiny_ggufs["Q4_1"], precision="bfloat16", threads=1, context=64)
     assert int4.model.runs_int4 and not dense.model.runs_int4
     heads = [MtpHead(read_mtp(ckpt, e.model.cfg), e.model, 64) for e in (int4, dense)]
-    blk = heads[0].layers[0]["block"]
-    assert all(lin.int4 is not None for lin in (blk.qkv, blk.o, blk.gate_up, blk.down, heads[0].layers[0]["proj"]))
+    layer = heads[0].layers[0]["layer"]
+    assert all(lin.int4 is not None for lin in (layer.attention.qkv, layer.attention.o, layer.mlp.gate_up,
+                                                layer.mlp.down, heads[0].layers[0]["proj"]))
     torch.manual_seed(0)
     hidden, tokens = torch.randn(5, int4.model.cfg.dim), torch.tensor([3, 9, 4, 1, 7])
     g_int4, g_dense = (h.forward(hidden, tokens, 0) for h in heads)
@@ -164,7 +165,7 @@ def test_head_on_an_int4_target_runs_the_int4_kernel(tiny_dirs, tiny_ggufs, tmp_
 
 
 def test_int4_quantization_round_trip():
-    from backends.native.weights import Int4Rows, int4_linear
+    from specchat.backends.native.int4 import Int4Rows, int4_linear
 
     torch.manual_seed(1)
     w = torch.randn(16, 64)

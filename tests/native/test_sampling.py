@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.base import Sampling
-from backends.native.sampling import filtered_logits, gumbel_noise, probs, sample, uniform_noise
+from specchat.backends.base import Sampling
+from specchat.backends.native.sampling import filtered_logits, gumbel_noise, probs, sample, uniform_noise
 
 
 def test_greedy_is_argmax():
@@ -60,7 +60,7 @@ def test_every_row_is_filtered_on_its_own(monkeypatch):
     # differently from the same reduction over one row, and a verify block samples several rows
     # at once where target-only decoding samples one: each row must see single-row arithmetic.
     # (A flipped token needs a top-p cut within one rounding step, too rare to provoke in a test.)
-    from backends.native import sampling
+    from specchat.backends.native import sampling
 
     rows_seen = []
     real = sampling.candidates

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from backends.base import NO_SPEC_METRICS, BackendError, Request, Sampling, Step, Summary, run_to_summary
-from backends.openai import OpenAIBackend
-from backends.openai.chunks import parse_chunk
-from backends.openai.metrics import (llama_server_figures, prometheus_samples, sglang_figures, vllm_counters,
+from specchat.backends.base import NO_SPEC_METRICS, BackendError, Request, Sampling, Step, Summary, run_to_summary
+from specchat.backends.openai import OpenAIBackend
+from specchat.backends.openai.chunks import parse_chunk
+from specchat.backends.openai.metrics import (llama_server_figures, prometheus_samples, sglang_figures, vllm_counters,
                                      vllm_figures)
 from specchat.live import LiveStats, speculation_figures, speculation_note
 from tests.openai.servers import RECORDED

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import NO_SPEC_METRICS, BackendError, Request, Sampling, Step, Summary, run_to_summary
-from backends.llamacpp import LlamaCppBackend
-from backends.openai import OpenAIBackend
+from specchat.backends.base import NO_SPEC_METRICS, BackendError, Request, Sampling, Step, Summary, run_to_summary
+from specchat.backends.llamacpp import LlamaCppBackend
+from specchat.backends.openai import OpenAIBackend
 from specchat.live import Failed, pump
 from specchat.profiles import load_profiles
+from specchat.paths import cache_dir
 from tests.openai.servers import MODEL, ROOT, LlamaCppServer, free_port
 
 pytestmark = pytest.mark.slow  # the real default model
@@ -34,7 +35,7 @@ def remote(server, logprobs=False, **kw) -> OpenAIBackend:
 
 @pytest.fixture(scope="module")
 def local(default_gguf):
-    backend = LlamaCppBackend(default_gguf, context=2048, threads=1)  # see LlamaCppServer: one thread is faster here
+    backend = LlamaCppBackend(default_gguf, context=2048, threads=1, cache_dir=cache_dir())  # see LlamaCppServer: one thread is faster here
     yield backend
     backend.close()
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import NO_SPEC_METRICS
+from specchat.backends.base import NO_SPEC_METRICS
 from specchat.tui.ab_screen import ABScreen
 from specchat.tui.app import SpecChatApp
 from tests.tui.conftest import wait_until

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from backends.base import Request, Sampling, run_to_summary
-from backends.native.engine import TorchBackend
-from backends.speculative.backend import SpeculativeBackend
-from backends.speculative.dflash import DFlashDrafter, load_dflash
-from backends.speculative.drafters import DraftModelDrafter, LookupFirst, NgramDrafter
+from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.native.engine import TorchBackend
+from specchat.backends.speculative.backend import SpeculativeBackend
+from specchat.backends.speculative.dflash import DFlashDrafter, load_dflash
+from specchat.backends.speculative.drafters import DraftModelDrafter, LookupFirst, NgramDrafter
 from specchat.compare import judge_tokens
 from specchat.verify import fresh, margin_function
 from tests.native.tiny import add_mtp_head, make_hf_checkpoint
@@ -36,8 +36,8 @@ def target(tiny_pair):
 
 
 def mtp_drafter(target, path, acceptance="exact", hidden_source="post_norm"):
-    from backends.native.mtp import MtpHead, read_mtp
-    from backends.speculative.mtp import MtpDrafter
+    from specchat.backends.native.mtp import MtpHead, read_mtp
+    from specchat.backends.speculative.mtp import MtpDrafter
 
     head = MtpHead(read_mtp(path, target.model.cfg), target.model, target.context_length)
     return MtpDrafter(head, target.eos_ids, hidden_source, want_q=acceptance == "rejection")

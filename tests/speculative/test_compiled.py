@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.base import Request, run_to_summary
-from backends.native.engine import TorchBackend
-from backends.speculative.backend import SpeculativeBackend
-from backends.speculative.dflash import DFlashDrafter, load_dflash
-from backends.speculative.drafters import DraftModelDrafter, NgramDrafter
+from specchat.backends.base import Request, run_to_summary
+from specchat.backends.native.engine import TorchBackend
+from specchat.backends.speculative.backend import SpeculativeBackend
+from specchat.backends.speculative.dflash import DFlashDrafter, load_dflash
+from specchat.backends.speculative.drafters import DraftModelDrafter, NgramDrafter
 from specchat.verify import fresh
 from tests.native.tiny import make_gguf, make_hf_checkpoint
 from tests.speculative.conftest import PROMPTS, SAMPLINGS, mtp_drafter, with_lookup
@@ -41,15 +41,15 @@ def make(name, target, eager, dflash, tiny_pair):
 
 
 def strict_or_skip(target: TorchBackend) -> None:
-    if not target.model.rows_share_attention:
+    if not target.model.attention_calls_shared:
         pytest.skip("this CPU's attention kernel changes a row's bits with the rows sharing its call, so compiled "
                     "graphs refuse strict verification here (test_parity.py checks the refusal)")
 
 
 def test_compiled_target_is_row_exact_and_warm(compiled):
     target, eager, _ = compiled
-    assert target.model.compiled_rows and not eager.model.compiled_rows
-    assert target.rows_bitwise == target.model.rows_share_attention
+    assert target.model.compiled is not None and eager.model.compiled is None
+    assert target.row_exact_supported == target.model.attention_calls_shared
 
 
 @pytest.mark.parametrize("method", ["ngram", "eager-self", "mtp+lookup", "dflash"])
@@ -86,7 +86,7 @@ def test_compiled_decoding_stays_close_to_eager(compiled):
 
 def test_compiled_models_in_one_process_each_run_their_own_weights(compiled, tiny_pair, tmp_path):
     """The compiled graphs belong to the code, not to a model, and are guarded on the first layer
-    only (see model._first_layer_guards): a second model of the same shapes, and one of another
+    only (see model.first_layer_guards): a second model of the same shapes, and one of another
     shape, decoded in turns with the first, must each still run their own weights."""
     target, eager, _ = compiled
     same_shape = make_gguf(tmp_path / "same.gguf", tiny_pair[1], "Q4_1")

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backends.base import BackendError, Request, Sampling, run_to_summary
-from backends.native.engine import TorchBackend
-from backends.speculative.backend import SpeculativeBackend
-from backends.speculative.dflash import DFlashDrafter, build_target_layer_ids, load_dflash
+from specchat.backends.base import BackendError, Request, Sampling, run_to_summary
+from specchat.backends.native.engine import TorchBackend
+from specchat.backends.speculative.backend import SpeculativeBackend
+from specchat.backends.speculative.dflash import DFlashDrafter, build_target_layer_ids, load_dflash
 from specchat.verify import fresh
 from tests.native.tiny import make_hf_checkpoint
 from tests.speculative.conftest import PROMPTS, SAMPLINGS
@@ -177,17 +177,18 @@ def test_loader_refuses_foreign_or_missing_tensors(tmp_path, qwen3_dir, qwen3):
 
 
 def test_profile_depth_beyond_the_block_is_refused(tmp_path, qwen3_dir, monkeypatch):
+    from specchat.backends.speculative.backend import make_drafter
+    from specchat.loading import speculative_settings
     from specchat.profiles import load_profile_file
-    from backends.speculative.backend import make_drafter
 
     ck = make_dflash_checkpoint(tmp_path / "d", qwen3_dir, block_size=4)
     f = tmp_path / "p.yaml"
     f.write_text(f"model: {qwen3_dir}\ndtype: float32\nspeculative:\n  method: dflash\n  drafter: {ck}\n  depth: 4\n")
     target = TorchBackend(qwen3_dir, "hf_dir", precision="float32", threads=1, context=64)
     with pytest.raises(BackendError, match="depth 4 is more than this DFlash drafter proposes per pass"):
-        make_drafter(load_profile_file(f), target)
+        make_drafter(speculative_settings(load_profile_file(f)), target)
     f.write_text(f.read_text().replace("depth: 4", "depth: 3"))
-    assert make_drafter(load_profile_file(f), target).block_size == 4
+    assert make_drafter(speculative_settings(load_profile_file(f)), target).block_size == 4
 
 
 # ---- speculative == target-only ----
@@ -217,7 +218,7 @@ def test_strict_dflash_is_bitwise_target_only(tmp_path, tiny_pair, sampling):
 
 
 def test_rejection_acceptance_gets_the_distributions_drafts_were_sampled_from(tmp_path, qwen3_dir, qwen3):
-    from backends.native.sampling import probs
+    from specchat.backends.native.sampling import probs
 
     ck = make_dflash_checkpoint(tmp_path / "d", qwen3_dir, block_size=5)
     drafter = DFlashDrafter(load_dflash(ck, qwen3.model.cfg), qwen3, want_q=True)
@@ -237,14 +238,13 @@ def test_rejection_acceptance_gets_the_distributions_drafts_were_sampled_from(tm
 def test_drafter_on_an_int4_target_runs_int4_and_keeps_parity(tmp_path):
     """On an int4 target the drafter's matrices and its full-vocabulary head run on the int4
     kernel; strict verification keeps the reply bit for bit the target's."""
-    from backends.native.weights import Int4Module
     from tests.native.tiny import make_gguf
 
     hf = make_hf_checkpoint(tmp_path / "llama", "llama", seed=41)
     target = TorchBackend(make_gguf(tmp_path / "t.gguf", hf, "Q4_1"), precision="int4", threads=2, context=256)
     drafter = drafter_for(target, make_dflash_checkpoint(tmp_path / "d", hf, block_size=4, head_dim=16, heads=4,
                                                          kv_heads=2, seed=42, target_layer_ids=(0, 1)))
-    assert isinstance(drafter.model.layers[0].mlp.gate_proj, Int4Module) and drafter.head.int4 is not None
+    assert drafter.model.layers[0].mlp.gate_up.int4 is not None and drafter.head.int4 is not None
     spec = SpeculativeBackend(target, drafter, 3, strict=True)
     for sampling in SAMPLINGS[:2]:
         request = Request(messages=PROMPTS[1])

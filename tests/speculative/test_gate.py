@@ -5,12 +5,12 @@ import time
 
 import pytest
 
-from backends.base import Request, Sampling, run_to_summary
-from backends.speculative import backend as backend_module
-from backends.speculative.backend import SpeculativeBackend
-from backends.speculative.drafters import LookupFirst
-from backends.speculative.gate import ALL, DraftGate
-from backends.speculative.loop import Draft, Drafter
+from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.speculative import backend as backend_module
+from specchat.backends.speculative.backend import SpeculativeBackend
+from specchat.backends.speculative.drafters import LookupFirst
+from specchat.backends.speculative.gate import ALL, DraftGate
+from specchat.backends.speculative.loop import Draft, Drafter
 from specchat.verify import fresh
 from tests.speculative.conftest import PROMPTS, SAMPLINGS
 

@@ -1,9 +1,9 @@
 """The loop's verify step computes the target's LM head only as far as acceptance looks."""
 import torch
 
-from backends.base import Sampling
-from backends.speculative.acceptance import accept_exact
-from backends.speculative.loop import target_choices
+from specchat.backends.base import Sampling
+from specchat.backends.speculative.acceptance import accept_exact
+from specchat.backends.speculative.loop import target_choices
 
 
 class CountingHead:
@@ -12,7 +12,7 @@ class CountingHead:
     def __init__(self, rows):
         self.rows, self.calls = rows, []
 
-    def choose_rows(self, sampling):
+    def verify_chunk(self, sampling):
         return self.rows
 
     def choose(self, states, positions, sampling):

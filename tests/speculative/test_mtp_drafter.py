@@ -5,9 +5,10 @@ import shutil
 import pytest
 import torch
 
-from backends.base import BackendError, Request, Sampling, run_to_summary
-from backends.native.model import FINAL
-from backends.speculative.backend import SpeculativeBackend
+from specchat.backends.base import BackendError, Request, Sampling, run_to_summary
+from specchat.backends.native.model import FINAL
+from specchat.backends.speculative.backend import SpeculativeBackend
+from specchat.loading import load_speculative
 from specchat.profiles import Profile
 from specchat.verify import fresh
 from tests.speculative.conftest import PROMPTS, compare, mtp_drafter
@@ -61,7 +62,7 @@ def test_profiles_load_a_builtin_or_separate_head(tiny_pair, tmp_path):
     for drafter in (None, str(head_dir)):
         profile = Profile(name="t", model=str(target_dir), dtype="float32", context=256,
                           speculative={"method": "mtp", "depth": 2, "drafter": drafter})
-        spec = SpeculativeBackend.from_profile(profile)
+        spec = load_speculative(profile)
         outs.append(run_to_summary(spec.stream(Request(messages=PROMPTS[0]), sampling)).token_ids)
         spec.close()
     assert outs[0] == outs[1]
@@ -69,4 +70,4 @@ def test_profiles_load_a_builtin_or_separate_head(tiny_pair, tmp_path):
     profile = Profile(name="t", model=str(target_dir), dtype="float32", context=256,
                       speculative={"method": "mtp", "drafter": str(tiny_pair[1])})
     with pytest.raises(BackendError, match="no MTP head found"):
-        SpeculativeBackend.from_profile(profile)
+        load_speculative(profile)

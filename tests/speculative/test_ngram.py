@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from backends.base import Request, Sampling, run_to_summary
-from backends.speculative.ngram import COPY_MIN, NgramIndex
+from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.speculative.ngram import COPY_MIN, NgramIndex
 from specchat.verify import fresh
 from tests.speculative.conftest import Counting, compare
 

@@ -7,8 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.base import Request, Sampling, run_to_summary
-from backends.speculative.backend import SpeculativeBackend
+from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.speculative.backend import SpeculativeBackend
 from specchat.verify import fresh
 from tests.speculative.conftest import PROMPTS, SAMPLINGS, Counting, compare
 
@@ -89,7 +89,7 @@ def bf16_pair(tiny_pair):
 def test_strict_verification_is_bitwise_target_only(bf16_pair, depth, sampling):
     """bfloat16 verify blocks computed row by row reproduce single-token decoding exactly, so
     the replies are identical with no tolerance at all."""
-    from backends.speculative.drafters import DraftModelDrafter
+    from specchat.backends.speculative.drafters import DraftModelDrafter
 
     target, draft = bf16_pair
     assert target.model.argmax_head is not None  # greedy blocks go through the int8 head (argmax_head.py)
@@ -107,17 +107,17 @@ def test_strict_verification_without_shared_attention_rows_is_bitwise_target_onl
     probe finds this on AMD EPYC), the attention calls are padded so that no query block is small,
     or each verify row gets a call of its own: strict replies stay identical to target-only
     decoding (padded: on every machine where the probe says it keeps a row's bits)."""
-    from backends.native.model import _rows_keep_their_bits
-    from backends.speculative.drafters import DraftModelDrafter
+    from specchat.backends.native.exact_rows import mode_keeps_row_bits
+    from specchat.backends.speculative.drafters import DraftModelDrafter
     from tests.speculative.conftest import engine
 
     target, draft = engine(tiny_pair[0], "bfloat16"), engine(tiny_pair[1], "bfloat16")
     cfg = target.model.cfg
-    if rows == "padded" and not _rows_keep_their_bits(cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim,
+    if rows == "padded" and not mode_keeps_row_bits(cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim,
                                                        torch.bfloat16, rows):
         pytest.skip("padded attention calls do not keep a row's bits on this CPU (a call per row is tested)")
-    target.model.attention_rows = rows
-    assert target.rows_bitwise and target.model.rows_share_attention == (rows == "padded")
+    target.model.attention_mode = rows
+    assert target.row_exact_supported and target.model.attention_calls_shared == (rows == "padded")
     spec = SpeculativeBackend(target, DraftModelDrafter(draft), depth, strict=True)
     for sampling in (Sampling(max_tokens=40), Sampling(temperature=0.8, seed=3, max_tokens=40)):
         for messages in PROMPTS:
@@ -129,13 +129,13 @@ def test_strict_verification_without_shared_attention_rows_is_bitwise_target_onl
 def test_strict_refuses_compiled_graphs_where_rows_cannot_share_attention(tiny_pair, drafters):
     """Compiled graphs cannot give each row a call of its own (the graph would specialize on the
     number of rows): there strict verification is refused with the way out, not run inexactly."""
-    from backends.base import BackendError
+    from specchat.backends.base import BackendError
     from tests.speculative.conftest import engine
 
     target = engine(tiny_pair[0], "bfloat16")
-    target.model.attention_rows = "separate"
-    target.model._compiled_rows = lambda *args: None  # as use_compiled_rows leaves it, without compiling
-    assert not target.rows_bitwise
+    target.model.attention_mode = "separate"
+    target.model.compiled = lambda *args: None  # as use_compiled_rows leaves it, without compiling
+    assert not target.row_exact_supported
     with pytest.raises(BackendError, match="compile: true needs an attention kernel"):
         SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=True)
     assert SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=None).strict is False
@@ -145,13 +145,13 @@ def test_verify_rows_reach_the_argmax_head_in_one_call(bf16_pair):
     """The int8 head streams its weights once for any number of rows; the float32 head (top-k /
     top-p) costs per pair of rows, so the loop gives it pairs and stops at a rejected draft."""
     target = bf16_pair[0]
-    assert target.choose_rows(Sampling()) is None
-    assert target.choose_rows(Sampling(temperature=0.8, seed=1)) is None
-    assert target.choose_rows(Sampling(temperature=1.2, top_k=20, seed=1)) == 2
+    assert target.verify_chunk(Sampling()) is None
+    assert target.verify_chunk(Sampling(temperature=0.8, seed=1)) is None
+    assert target.verify_chunk(Sampling(temperature=1.2, top_k=20, seed=1)) == 2
 
 
 def test_strict_refuses_kernels_that_are_not_row_invariant(target, drafters):
-    from backends.base import BackendError
+    from specchat.backends.base import BackendError
 
     with pytest.raises(BackendError, match="strict verification needs row-invariant kernels"):
         SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=True)  # float32 target
@@ -160,6 +160,7 @@ def test_strict_refuses_kernels_that_are_not_row_invariant(target, drafters):
 def test_draft_model_on_an_int4_target_guesses_with_an_int4_head(tmp_path):
     """Loaded from a profile: a draft model beside an int4 target gets an int4 copy of its
     full-vocabulary head (most of a small drafter's cost); the reply stays the target's."""
+    from specchat.loading import load_speculative
     from specchat.profiles import load_profile_file
     from tests.native.tiny import make_gguf, make_hf_checkpoint
 
@@ -167,7 +168,7 @@ def test_draft_model_on_an_int4_target_guesses_with_an_int4_head(tmp_path):
     draft = make_gguf(tmp_path / "d.gguf", make_hf_checkpoint(tmp_path / "d", "llama", seed=52), "F32")
     (tmp_path / "p.yaml").write_text(f"backend: torch\nmodel: {gguf}\nthreads: 2\ncontext: 256\n"
                                      f"speculative: {{method: draft, drafter: {draft}, depth: 3}}\n")
-    spec = SpeculativeBackend.from_profile(load_profile_file(tmp_path / "p.yaml"))
+    spec = load_speculative(load_profile_file(tmp_path / "p.yaml"))
     assert spec.target.model.runs_int4 and spec.drafter.engine.model.head.int4 is not None
     request, sampling = Request(messages=[{"role": "user", "content": "hello there"}]), Sampling(max_tokens=30)
     ref = run_to_summary(fresh(spec.target).stream(request, sampling))

@@ -8,10 +8,10 @@ import types
 
 import pytest
 
-import backends.speculative.drafters as drafters_module
-import backends.speculative.loop as loop_module
-from backends.base import Request, Sampling
-from backends.speculative import backend as backend_module
+import specchat.backends.speculative.drafters as drafters_module
+import specchat.backends.speculative.loop as loop_module
+from specchat.backends.base import Request, Sampling
+from specchat.backends.speculative import backend as backend_module
 from specchat.compare import MISMATCH
 from specchat.verify import check_prompt
 from tests.speculative.conftest import PROMPTS, engine
@@ -22,8 +22,8 @@ LOOP_BUGS = {
         ("target.truncate(n + verdict.accepted)", "target.truncate(min(n + verdict.accepted + 1, n + len(d)))")],
     "KV cache not rolled back": [  # rejected drafts stay in the cache; the next block goes after them
         ("target.truncate(n + verdict.accepted)", "target.truncate(n + len(d))"),
-        ("target.forward([tokens[-1]] + d, n - 1, layers, exact_rows=strict, head=False)",
-         "target.forward([tokens[-1]] + d, len(target.cached), layers, exact_rows=strict, head=False)")],
+        ("target.forward([tokens[-1]] + d, n - 1, layers, row_exact=strict, head=False)",
+         "target.forward([tokens[-1]] + d, len(target.cached), layers, row_exact=strict, head=False)")],
     "bonus token dropped": [
         ("step, hit_eos = emit(new, len(d), verdict.accepted)",
          "step, hit_eos = emit(new[:-1] if d and verdict.accepted == len(d) else new, len(d), verdict.accepted)")],

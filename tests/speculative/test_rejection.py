@@ -6,11 +6,11 @@ from collections import Counter
 import pytest
 import torch
 
-from backends.base import Request, Sampling, run_to_summary
-from backends.native import sampling as sampler
-from backends.speculative.acceptance import accept_rejection
-from backends.speculative.backend import SpeculativeBackend
-from backends.speculative.drafters import DraftModelDrafter
+from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.native import sampling as sampler
+from specchat.backends.speculative.acceptance import accept_rejection
+from specchat.backends.speculative.backend import SpeculativeBackend
+from specchat.backends.speculative.drafters import DraftModelDrafter
 from specchat.verify import fresh
 from tests.speculative.conftest import PROMPTS, Counting
 
@@ -72,7 +72,7 @@ def test_end_to_end_drafted_token_follows_the_target(target, tiny_pair, tmp_path
     match the target's exact distribution given the first token, averaged over the runs. The
     drafter is the target quantized to Q4_1: close to p but not equal, so drafts are both kept
     and rejected."""
-    from backends.native.engine import TorchBackend
+    from specchat.backends.native.engine import TorchBackend
     from tests.native.tiny import make_gguf
 
     quantized = make_gguf(tmp_path / "q4.gguf", tiny_pair[0], "Q4_1")

@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backends.base import Request, Sampling, run_to_summary
-from backends.native.engine import TorchBackend
-from backends.native.mtp import DRAFT_VOCAB, MtpHead, read_mtp
-from backends.speculative.backend import SpeculativeBackend
-from backends.speculative.mtp import MtpDrafter
+from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.native.engine import TorchBackend
+from specchat.backends.native.mtp import DRAFT_VOCAB, MtpHead, read_mtp
+from specchat.backends.speculative.backend import SpeculativeBackend
+from specchat.backends.speculative.mtp import MtpDrafter
 from specchat.cli import main
 from tests.native.tiny import CORPUS
 from tests.train.test_train import make_data, profile, tiny  # noqa: F401  (fixtures)
@@ -67,27 +67,13 @@ def test_speculative_with_trained_head_equals_target_only(tiny, mtp_trained):  #
 
 def test_training_head_computes_what_the_engine_head_computes(tiny, mtp_trained):  # noqa: F811
     """The batched training form and the engine's incremental MTP head agree on the exported weights."""
-    from backends.native.engine import load_checkpoint
     from specchat.train.mtp import MtpTrainHead
 
     target = TorchBackend(tiny[1], "hf_dir", precision="float32", threads=1, context=256)
     cfg = target.model.cfg
     tensors = {k: v.float() for k, v in load_file(str(mtp_trained[2] / "model.safetensors")).items()}
-    ck = load_checkpoint(tiny[1], "hf_dir", keep_int4=False)
-    model = MtpTrainHead(cfg, {k: v for k, v in ck.layers[-1].items()}, ck.norm)
     # the exported (bfloat16-rounded) values, loaded into the training module by name
-    p = f"model.layers.{cfg.n_layers}."
-    with torch.no_grad():
-        model.enorm.copy_(tensors[p + "enorm.weight"])
-        model.hnorm.copy_(tensors[p + "hnorm.weight"])
-        model.eh_proj.copy_(tensors[p + "eh_proj.weight"])
-        model.norm.copy_(tensors[p + "shared_head.norm.weight"])
-        names = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
-                 "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
-                 "down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
-                 "mlp_norm": "post_attention_layernorm.weight"}
-        for k, name in names.items():
-            model.layer[k].copy_(tensors[p + name])
+    model = MtpTrainHead.from_export(cfg, tensors)
     head = MtpHead(read_mtp(mtp_trained[2], cfg), target.model, 64)
     torch.manual_seed(1)
     hidden = torch.randn(7, cfg.dim)

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from backends.base import Request, Sampling, run_to_summary
-from backends.native.engine import TorchBackend
-from backends.speculative.backend import SpeculativeBackend
-from backends.speculative.drafters import DraftModelDrafter, check_same_tokenizer
+from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.native.engine import TorchBackend
+from specchat.backends.speculative.backend import SpeculativeBackend
+from specchat.backends.speculative.drafters import DraftModelDrafter, check_same_tokenizer
 from specchat.cli import main
+from specchat.paths import cache_dir
 from tests.native.tiny import CORPUS, make_hf_checkpoint
 
 STEPS = 6
@@ -227,10 +228,10 @@ def test_the_default_model_writes_its_own_training_prompts(default_gguf, tmp_pat
 
 
 def test_prompt_prefix_ends_where_the_users_text_starts(default_gguf):
-    from backends.native.tokenizer import ChatTokenizer
+    from specchat.backends.native.tokenizer import ChatTokenizer
     from specchat.train.self_prompts import user_turn_prefix
 
-    tok = ChatTokenizer(default_gguf)
+    tok = ChatTokenizer(default_gguf, cache_dir())
     prefix = tok.hf.decode(user_turn_prefix(tok, None))
     assert prefix.endswith("<|im_start|>user\n")
     full = tok.hf.decode(tok.encode_chat([{"role": "user", "content": "Hi there"}]))

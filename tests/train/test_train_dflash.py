@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from backends.base import Request, Sampling, run_to_summary
-from backends.native.engine import TorchBackend
-from backends.speculative.backend import SpeculativeBackend
-from backends.speculative.dflash import DFlashDrafter, load_dflash
+from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.native.engine import TorchBackend
+from specchat.backends.speculative.backend import SpeculativeBackend
+from specchat.backends.speculative.dflash import DFlashDrafter, load_dflash
 from specchat.cli import main
 from tests.native.tiny import CORPUS, make_hf_checkpoint
 

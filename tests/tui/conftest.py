@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import BackendError
+from specchat.backends.base import BackendError
 
 PROFILES = {
     "spec": "backend: torch\nmodel: smollm2-135m-instruct\nspeculative:\n  method: ngram\n  depth: 4\n",

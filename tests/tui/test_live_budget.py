@@ -2,7 +2,7 @@
 import queue
 import threading
 
-from backends.base import Request, Sampling
+from specchat.backends.base import Request, Sampling
 from specchat.live import Failed, LiveStats, pump
 from specchat.tui import budget as budget_mod
 from specchat.tui.budget import RenderBudget

@@ -1,0 +1,249 @@
+"""Row-exact passes on CPU: a verify block whose every row has the bits a single-token pass gives it.
+
+Strict verification (speculative/loop.py) checks K drafted tokens in one pass, and promises that
+the tokens it keeps are bit for bit the tokens target-only decoding would choose. That holds
+only if each row of the K-row pass is computed exactly as the single-token pass at its position
+computes it. This module is what makes that true on CPU. Its terms, used everywhere:
+
+- **single-token pass**: `forward` of one token at position p, as target-only decoding runs it.
+- **row-exact pass**: `forward(..., row_exact=True)` over K tokens: row i has exactly the bits of
+  the single-token pass at position start + i. `TorchBackend.row_exact_supported` says where the
+  engine can promise that.
+- **row-invariant kernel**: a matmul whose result for a row does not depend on the other rows of
+  the call. torch's int4 kernel and its bfloat16 GEMM on CPU are (`ROW_INVARIANT_PRECISIONS` in
+  engine.py); float32 MKL is not (the LM head then multiplies in row pairs: `Linear(pairwise=True)`).
+- **key span** (`key_span`): how many cache positions a single-token pass at position p attends
+  over: p + 1 rounded up to a multiple of ATTENTION_PAD, the rest masked. CPU attention's
+  reductions depend on the number of keys, so a row can only match its single-token pass if it
+  sees the same span.
+- **row group** (`row_groups`): consecutive rows of a block that share a key span; each group is
+  one attention call.
+- **attention mode** (`ATTENTION_MODES`): how a group's rows share that call so that no row's bits
+  depend on its neighbours in it; this machine's kernel is probed once per shape
+  (`probe_attention_mode`) and the first mode that keeps every row's bits is used.
+- **compiled row graphs** (`CompiledRowGraphs`): single-token passes and row-exact groups through
+  one torch.compile'd graph of all layers, dynamic in the number of rows; every row then gets the
+  graph's bits (not the eager path's) in both.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# A single-token pass attends over the cache rounded up to a multiple of this: a verify block
+# whose rows straddle a multiple is computed in two groups (in compiled graphs, two calls that
+# each stream the weights), so large enough that few do; the masked keys cost little
+# (re-measure: scripts/bench_engine.py with other values).
+ATTENTION_PAD = 64
+
+
+def key_span(end: int, max_len: int) -> int:
+    """The key span of a single-token pass at position end - 1."""
+    return min(-(-end // ATTENTION_PAD) * ATTENTION_PAD, max_len)
+
+
+def key_mask(ends: Tensor, n_keys: int, dtype: torch.dtype, heads: tuple[int, int] = (1, 1)) -> Tensor:
+    """Additive mask for rows over n_keys keys, row i seeing keys [0, ends[i]), laid out for
+    `attend_rows` over heads = (Hkv, G): kv heads, query heads per kv head. One row:
+    [1, 1, 1, n_keys]; n rows: [1, 1, n * G, n_keys] when G > 1, [1, Hkv * n, 1, n_keys] when G == 1."""
+    visible = torch.arange(n_keys, device=ends.device)[None, :] < ends[:, None]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=ends.device).masked_fill_(~visible, float("-inf"))
+    n = len(ends)
+    if n == 1:
+        return mask[:, None, None, :]
+    Hkv, G = heads
+    if G > 1:
+        return mask[:, None, :].expand(n, G, n_keys).reshape(1, 1, n * G, n_keys)
+    return mask[None, :, None, :].expand(Hkv, n, 1, n_keys).reshape(1, Hkv * n, 1, n_keys)
+
+
+class RowGroup(NamedTuple):
+    lo: int  # rows lo..hi-1 of the block
+    hi: int
+    n_keys: int  # their key span
+    mask: Tensor  # from key_mask
+
+
+def row_groups(start: int, K: int, max_len: int, device: torch.device, dtype: torch.dtype,
+               heads: tuple[int, int] = (1, 1)) -> list[RowGroup]:
+    """Rows start..start+K-1 grouped by key span, masks laid out for `attend_rows` over
+    heads = (n_kv_heads, query heads per kv head)."""
+    ends = list(range(start + 1, start + K + 1))
+    groups, lo = [], 0
+    while lo < K:
+        n_keys = key_span(ends[lo], max_len)
+        hi = lo
+        while hi < K and key_span(ends[hi], max_len) == n_keys:
+            hi += 1
+        groups.append(RowGroup(lo, hi, n_keys, key_mask(torch.tensor(ends[lo:hi], device=device), n_keys, dtype,
+                                                        heads)))
+        lo = hi
+    return groups
+
+
+# How `attend_rows` computes the rows of one call, fastest first (see there)
+ATTENTION_MODES = ("shared", "padded", "separate")
+_MIN_QUERY_ROWS = 4  # "padded": no query block of CPU flash attention with fewer rows
+
+
+def _query_block(rows: int) -> int:
+    """CPU flash attention's query block for a call of `rows` query rows (per kv head)."""
+    return 256 if rows >= 768 else 64 if rows >= 192 else 32
+
+
+def _rows_to_pad(rows: int) -> int:
+    """Zero query rows to add so that no query block of the call has fewer than _MIN_QUERY_ROWS:
+    with a multiple of 4 rows every block (32, 64 or 256 rows) and so the last has 0 or 4+.
+    1 to 4, never 0: a compiled graph would guard on a size that may be 0."""
+    return (-rows - 1) % _MIN_QUERY_ROWS + 1
+
+
+def attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: Tensor,
+                mode: str = "shared") -> Tensor:
+    """q [H, n, hd] as n rows over cache[:n_keys] (mask from `key_mask`); returns [1, H, n, hd].
+
+    Each row is computed exactly as a single-token pass computes it, reading the cache in place.
+    With grouped-query attention (G = H / Hkv > 1 query heads per kv head) a single-token pass is
+    already a G-row query per kv head; a block's rows join those as more query rows of the same
+    kv head ([1, Hkv, n * G, hd]): one attention call over the keys for all of them. With G == 1
+    each row stays a one-row query: the rows go into the head dimension, every one sharing its kv
+    head. (A batch of rows would need the cache expanded per row, which a compiled graph copies.)
+
+    CPU flash attention in bfloat16 (the row-invariant precisions' cache) takes query rows in
+    blocks (32 for short queries) and multiplies each block by the keys in one GEMM. Whether a
+    row's bits then depend on the block around it is the CPU's GEMM's business, so the machine is
+    probed (`probe_attention_mode`) and `mode` says how to call:
+    - "shared": the rows in one call; a last query block of a single row goes another kernel path
+      with other bits now and then, so it gets a call of its own.
+    - "padded": where a GEMM of 1-3 rows rounds differently from a larger one, zero query rows
+      are added (_rows_to_pad) so that no query block is that small, single-token passes included:
+      every row then comes from a GEMM of 4 or more rows.
+    - "separate": each row the call a single-token pass makes (the fallback; a row costs a call)."""
+    H, n, hd = q.shape
+    Hkv = cache_k.shape[1]
+    G = H // Hkv
+    if n > 1 and mode == "separate":
+        row_masks = [mask[:, :, i * G:i * G + 1] if G > 1 else mask[:, i:i + 1] for i in range(n)]
+        return torch.cat([attend_rows(q[:, i:i + 1], cache_k, cache_v, n_keys, m) for i, m in enumerate(row_masks)],
+                         dim=2)
+    k, v = cache_k[:, :, :n_keys], cache_v[:, :, :n_keys]
+    if G == 1:
+        out = F.scaled_dot_product_attention(q.reshape(1, H * n, 1, hd), k, v, attn_mask=mask, enable_gqa=n > 1)
+        return out.view(1, H, n, hd)
+    R = n * G
+    x = q.view(Hkv, G, n, hd).transpose(1, 2).reshape(1, Hkv, R, hd)
+    if mode == "padded":
+        pad = _rows_to_pad(R)
+        x = torch.cat([x, x.new_zeros(1, Hkv, pad, hd)], dim=2)
+        mask = torch.cat([mask.expand(1, 1, R, n_keys), mask.new_zeros(1, 1, pad, n_keys)], dim=2)
+        # a copy, not a view: whether the first R rows of R + pad are contiguous depends on pad,
+        # which a compiled graph would guard on
+        out = F.scaled_dot_product_attention(x, k, v, attn_mask=mask)[:, :, :R]
+        out = out.clone(memory_format=torch.contiguous_format)
+    elif n > 1 and R % _query_block(R) == 1:
+        cut = (n - 1) * G
+        out = torch.cat([F.scaled_dot_product_attention(x[:, :, :cut], k, v, attn_mask=mask[:, :, :cut]),
+                         F.scaled_dot_product_attention(x[:, :, cut:], k, v, attn_mask=mask[:, :, cut:])], dim=2)
+    else:
+        out = F.scaled_dot_product_attention(x, k, v, attn_mask=mask)
+    return out.view(Hkv, n, G, hd).transpose(1, 2).reshape(1, H, n, hd)
+
+
+@functools.cache
+def probe_attention_mode(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype) -> str:
+    """The first of ATTENTION_MODES under which this machine's CPU attention kernel gives each row
+    of a multi-row `attend_rows` call the bits of a one-row call, checked on random blocks of
+    2..33 rows over 64..1088 keys (0.04-0.2 s a mode, once per shape). A probe can only find a
+    difference, not prove there is none, hence so many rows."""
+    for mode in ATTENTION_MODES[:-1]:
+        if mode_keeps_row_bits(kv_heads, group, head_dim, dtype, mode):
+            return mode
+    return "separate"
+
+
+def mode_keeps_row_bits(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, mode: str) -> bool:
+    g = torch.Generator().manual_seed(0)
+    for n_keys in (64, 128, 256, 384, 512, 832, 1088):
+        cache = [torch.randn(1, kv_heads, n_keys, head_dim, generator=g).to(dtype) for _ in range(2)]
+        for n in (2, 3, 4, 5, 8, 11, 16, 33):
+            q = (3 * torch.randn(kv_heads * group, n, head_dim, generator=g)).to(dtype)
+            ends = torch.full((n,), n_keys)
+            block = attend_rows(q, *cache, n_keys, key_mask(ends, n_keys, dtype, (kv_heads, group)), mode)
+            for i in range(n):
+                one = attend_rows(q[:, i:i + 1], *cache, n_keys, key_mask(ends[i:i + 1], n_keys, dtype), mode)
+                if not torch.equal(block[0, :, i], one[0, :, 0]):
+                    return False
+    return True
+
+
+# ---- compiled row graphs ----
+
+_LATER_LAYER = re.compile(r"\._modules\['layers'\]\._modules\['([1-9]\d*)'\]|\.cache\.[kv]\[([1-9]\d*)\]")
+
+
+def first_layer_guards(entries) -> list[bool]:
+    """Which of a compiled graph's guards to check on each call: all but those on the second and
+    later layers' modules, weights and caches (most of them; each costs time on every call). The
+    layers are built alike and never change after load (a new cache replaces every layer's
+    tensors together), so the first layer's guards stand for all of them."""
+    return [_LATER_LAYER.search(e.name) is None for e in entries]
+
+
+class CompiledRowGraphs:
+    """Single-token passes and row-exact groups of `model` (a Transformer) through one
+    torch.compile'd graph of all its layers, dynamic in the number of rows, the position and the
+    key count: one call per row group. Each row gets the same bits from the K-row graph as from
+    the one-row graph (fused kernels reduce within a row)."""
+
+    def __init__(self, model):
+        self.model = model
+        # cpp_wrapper: the graph's few hundred kernel calls are made from C++, not Python (a large
+        # share of a small model's single-token pass; its first compile takes minutes)
+        self.graph = torch.compile(self._all_layers, dynamic=True, fullgraph=True,
+                                   options={"cpp_wrapper": True, "guard_filter_fn": first_layer_guards})
+        self.mark_static()
+
+    def mark_static(self) -> None:
+        """Weights, tables and caches never change shape: tell dynamo, so that only the number of
+        rows, the position and the key count are symbols in the compiled graphs (and so guarded).
+        Called again whenever the model gets a new cache."""
+        m = self.model
+        tensors = [m.embed, m.rope_cos, m.rope_sin, *m.cache.k, *m.cache.v, *m.parameters()]
+        for layer in m.layers:
+            for lin in (layer.attention.qkv, layer.attention.o, layer.mlp.gate_up, layer.mlp.down):
+                tensors += [lin.dense, *(lin.int4 or ())[:2]]
+        for t in tensors:
+            while isinstance(t, Tensor):  # and what it is a view of: dynamo traces views from their base
+                torch._dynamo.mark_static(t)
+                t = t._base
+
+    def __call__(self, x: Tensor, start_pos: int, groups: list[RowGroup], layers: list[int]
+                 ) -> tuple[Tensor, dict[int, Tensor]]:
+        """x [K, dim] embedded rows at start_pos..; returns the last layer's output and the outputs
+        of `layers`."""
+        xs, hiddens = [], []
+        for lo, hi, n_keys, mask in groups:
+            # whole inputs, not views: a view's storage offset would become one more guarded symbol
+            rows = x if len(groups) == 1 else x[lo:hi].clone()
+            # the model width is no symbol: dynamo would tie it to an equal key count and specialize both
+            torch._dynamo.mark_static(rows, 1)
+            out, every = self.graph(rows, start_pos + lo, n_keys, mask, bool(layers))  # every: {layer: output}
+            xs.append(out)
+            hiddens.append(every)
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        if len(hiddens) == 1:
+            return x, {i: hiddens[0][i] for i in layers}
+        return x, {i: torch.cat([h[i] for h in hiddens]) for i in layers}
+
+    def _all_layers(self, x: Tensor, pos: int, n_keys: int, mask: Tensor, keep_hidden: bool
+                    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """All layers for rows sharing one key span (the compiled function); with keep_hidden, also
+        every layer's output (one graph serves any choice of layers)."""
+        m = self.model
+        every = tuple(range(len(m.layers))) if keep_hidden else ()
+        return m.run_layers(x, slice(pos, pos + x.shape[0]), n_keys, None, every, [RowGroup(0, x.shape[0], n_keys, mask)])

@@ -1,0 +1,61 @@
+"""`Linear`: y = x W^T (+ b), with W dense in the compute dtype, group-wise int4 on torch's CPU
+kernel, or float32 multiplied in row pairs (the LM head on CPU, whose rows must keep their bits
+however many come: see exact_rows.py)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..cpu import native_bfloat16
+
+# From this many rows on, a dense matmul beats torch's int4 kernel, whose cost grows with every row
+# (re-measure: scripts/bench_engine.py, a long prefill with and without the dense copy).
+DENSE_MIN_ROWS = 8
+
+
+def dense_compute_dtype() -> torch.dtype:
+    """What a many-row pass multiplies an int4 Linear's bfloat16 copy in: bfloat16 where the CPU
+    multiplies it natively, else float32, the copy widened on the fly (emulated bfloat16 GEMM is
+    several times slower than float32). Decided by the CPU's flags, not by timing: the choice
+    sets a prefill's arithmetic and so the reply, which must not change between runs."""
+    return torch.bfloat16 if native_bfloat16() else torch.float32
+
+
+class Linear(nn.Module):
+    """A dense weight [out, in], or `int4` = (packed, scales_and_zeros, group_size) for torch's CPU
+    int4 kernel (bfloat16 in and out). An int4 Linear may also hold `dense`, a bfloat16 copy of the
+    same weights, for passes of many rows that need not match single-token arithmetic bit for bit
+    (prefill, non-strict verify). `pairwise`: float32 on CPU, computed as GEMMs of two rows."""
+
+    def __init__(self, weight: Tensor | None, bias: Tensor | None = None, int4: tuple | None = None,
+                 pairwise: bool = False, dense: Tensor | None = None):
+        super().__init__()
+        self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.int4 = int4
+        self.pairwise = pairwise
+        self.dense = dense
+        self.dense_dtype = dense_compute_dtype() if dense is not None else None
+
+    def forward(self, x: Tensor, exact: bool = False) -> Tensor:
+        """exact: each row as a single-token pass computes it (never the dense copy)."""
+        if self.pairwise:
+            return self._pairs(x)
+        if self.int4 is not None and (exact or self.dense is None or x.shape[0] < DENSE_MIN_ROWS):
+            packed, sz, group = self.int4
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
+        elif self.int4 is None:
+            y = F.linear(x, self.weight)
+        else:  # `.to` is a no-op where the copy is multiplied as it is
+            y = F.linear(x.to(self.dense_dtype), self.dense.to(self.dense_dtype)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def _pairs(self, x: Tensor) -> Tensor:
+        """MKL's one-row GEMV and its GEMM round differently, and GEMM's blocking depends on the
+        number of rows, so every call is made as GEMMs of exactly two rows (an odd row padded):
+        each row gets the same bits however many rows come, at about a GEMV's cost per row."""
+        K = x.shape[0]
+        if K % 2:
+            x = torch.cat([x, x[-1:]])
+        return torch.cat([F.linear(pair, self.weight) for pair in x.split(2)])[:K]
