@@ -12,7 +12,9 @@ import threading
 from typing import Optional
 
 from specchat.backends.base import BackendError, Request, Summary
-from specchat.profiles import DEFAULT_PROFILE, ProfileError, load_profiles
+from specchat.live import stats_line
+from specchat.profiles import DEFAULT_PROFILE, ProfileError, get_profile, load_profiles
+from specchat.train.cli import add_train_parser
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
@@ -23,10 +25,6 @@ class UsageError(Exception):
 
 def _err(msg: str) -> None:
     print(f"specchat: error: {msg}", file=sys.stderr)
-
-
-def _profile(name: Optional[str]):
-    return load_profiles().get(name or DEFAULT_PROFILE)
 
 
 def _overridden(profile, args):
@@ -52,6 +50,27 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="override any profile field for this run, e.g. dtype=bfloat16 or speculative.depth=3")
 
 
+def _add_prompt_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", help="prompt file (Spec-Bench question.jsonl, jsonl or text)")
+    p.add_argument("--limit", type=int, help="at most N prompts, spread over the subtasks")
+    p.add_argument("--category", action="append", help="only these categories / subtasks")
+
+
+def _prompt_set(args):
+    """The prompts `--prompts/--limit/--category` name, or two short chat prompts."""
+    from specchat.prompts import PromptItem, load_prompts
+
+    if args.prompts:
+        return load_prompts(args.prompts, args.limit, args.category)
+    return [PromptItem("1", ["Explain speculative decoding in three sentences."]),
+            PromptItem("2", ["Write a haiku about a fast computer."])]
+
+
+def _run_line(label: str, r) -> str:
+    """One prompt's figures in a bench or ladder run: which, and its stats line."""
+    return f"  {label} · {r.prompt.id} [{r.prompt.task}] {stats_line(r.summary)}"
+
+
 # ---------------------------------------------------------------------------------- run
 
 def cmd_run(args) -> int:
@@ -60,7 +79,7 @@ def cmd_run(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise UsageError("empty prompt: pass it as an argument or on stdin")
-    profile = _overridden(_profile(args.profile), args)
+    profile = _overridden(get_profile(args.profile), args)
     backend = load_backend(profile)
     request = Request(messages=messages_for(profile, [{"role": "user", "content": prompt}], args.system))
     cancel = threading.Event()
@@ -93,19 +112,11 @@ def cmd_run(args) -> int:
     else:
         sys.stdout.write("\n")
         if args.stats:
-            print(_stats_line(summary), file=sys.stderr)
+            print(stats_line(summary, stop=True), file=sys.stderr)
     if summary.error:
         _err(summary.error)
         return EXIT_RUNTIME
     return EXIT_OK
-
-
-def _stats_line(s: Summary) -> str:
-    from specchat.live import speculation_note
-
-    line = f"{s.tokens} tokens · TTFT {s.ttft_s:.2f}s · {s.decode_tok_s:.1f} tok/s · stop: {s.stop_reason}"
-    note = speculation_note(s, "tokens/pass")
-    return line + (f" · {note}" if note else "")
 
 
 # ----------------------------------------------------------------------------- profiles
@@ -144,21 +155,14 @@ def cmd_pull(args) -> int:
 
 # -------------------------------------------------------------------------------- bench
 
-def _bench_line(label: str, r) -> str:
-    s = r.summary
-    line = f"  {label} · {r.prompt.id} [{r.prompt.task}] {s.tokens} tok · TTFT {s.ttft_s:.2f}s · {s.decode_tok_s:.1f} tok/s"
-    return line + (f" · {s.mean_accepted:.2f}/pass" if s.drafts else "")
-
-
 def cmd_bench(args) -> int:
     from rich.console import Console
     from rich.markup import escape
 
     from specchat import bench
-    from specchat.prompts import load_prompts
 
-    profiles = [_overridden(_profile(n), args) for n in (args.profile or [DEFAULT_PROFILE])]
-    prompts = load_prompts(args.prompts, args.limit, args.category) if args.prompts else _default_prompts()
+    profiles = [_overridden(get_profile(n), args) for n in (args.profile or [DEFAULT_PROFILE])]
+    prompts = _prompt_set(args)
     console = Console(stderr=True)
     extra = []
     if args.transformers:
@@ -171,7 +175,7 @@ def cmd_bench(args) -> int:
     results = bench.bench(
         profiles, prompts, interleave=not args.sequential,
         on_load=lambda label: console.print(f"[bold]{label}[/bold]: loading…"),
-        on_run=lambda label, r: console.print(escape(_bench_line(label, r)), highlight=False),
+        on_run=lambda label, r: console.print(escape(_run_line(label, r)), highlight=False),
         extra_rows=extra)
     if args.json:
         print(json.dumps(bench.to_json(results)))
@@ -185,18 +189,18 @@ def cmd_bench(args) -> int:
 def cmd_ladder(args) -> int:
     from rich.console import Console
 
+    from rich.markup import escape
+
     from specchat import ladder
-    from specchat.prompts import load_prompts
 
     depths = ladder.parse_depths(args.depths)
-    profile = _overridden(_profile(args.profile), args)
+    profile = _overridden(get_profile(args.profile), args)
     ladder.check(profile)
-    prompts = load_prompts(args.prompts, args.limit, args.category) if args.prompts else _default_prompts()
+    prompts = _prompt_set(args)
     console = Console(stderr=True)
-    console.print(f"[bold]{profile.name}[/bold]: loading…")
-    result = ladder.run_ladder(profile, depths, prompts, on_run=lambda label, r: console.print(
-        f"  {label} · {r.prompt.id} {r.summary.tokens} tok {r.summary.decode_tok_s:.1f} tok/s"
-        + (f" · {r.summary.mean_accepted:.2f}/pass" if r.summary.drafts else ""), highlight=False))
+    console.print(f"[bold]{escape(profile.name)}[/bold]: loading…")
+    result = ladder.run_ladder(profile, depths, prompts,
+                               on_run=lambda label, r: console.print(escape(_run_line(label, r)), highlight=False))
     if args.plot:
         ladder.write_plot(result, args.plot)
         console.print(f"chart written to {args.plot}")
@@ -207,13 +211,6 @@ def cmd_ladder(args) -> int:
     return EXIT_OK
 
 
-def _default_prompts():
-    from specchat.prompts import PromptItem
-
-    return [PromptItem("1", ["Explain speculative decoding in three sentences."]),
-            PromptItem("2", ["Write a haiku about a fast computer."])]
-
-
 # ------------------------------------------------------------------------------- verify
 
 def cmd_verify(args) -> int:
@@ -222,19 +219,18 @@ def cmd_verify(args) -> int:
 
     from specchat.live import speculation_note
     from specchat.loading import load_backend, messages_for, sampling_of
-    from specchat.prompts import load_prompts
     from specchat.verify import PromptCheck, check_prompt, summarize
 
-    spec_profile = _overridden(_profile(args.profile), args)
+    spec_profile = _overridden(get_profile(args.profile), args)
     if spec_profile.remote and not args.reference:
         spec_profile.target_only()  # raises: a server's speculation can't be switched off from here
     if spec_profile.method == "none" and not spec_profile.remote and not args.reference:
         raise UsageError(f"profile '{spec_profile.name}' has no speculative method; verify compares a "
                          "speculative profile with its target-only reference (or with -r REFERENCE)")
-    prompts = load_prompts(args.prompts, args.limit, args.category) if args.prompts else _default_prompts()
+    prompts = _prompt_set(args)
     console = Console(stderr=True, highlight=False)
     spec = load_backend(spec_profile)
-    reference = load_backend(_profile(args.reference)) if args.reference else spec.target
+    reference = load_backend(get_profile(args.reference)) if args.reference else spec.target
     sampling = sampling_of(spec_profile)
     checks: list[PromptCheck] = []
     try:
@@ -243,7 +239,7 @@ def cmd_verify(args) -> int:
             ref, out, verdict = check_prompt(spec, reference, request, sampling)
             checks.append(PromptCheck(item, ref, out, verdict))
             mark = {"identical": "[green]✓[/green]", "near-tie": "[yellow]≈[/yellow]"}.get(verdict.kind, "[red]✗[/red]")
-            note = speculation_note(out, "tokens/pass")
+            note = speculation_note(out)
             console.print(f"{mark} {item.id} " + escape(f"[{item.task}] {verdict.line()}" + (f" · {note}" if note else "")))
     finally:
         spec.close()
@@ -322,9 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="measure decode speed, acceptance and speed-up over a prompt set")
     p.add_argument("-p", "--profile", action="append", help="profile to run (repeatable)")
-    p.add_argument("--prompts", help="prompt file (Spec-Bench question.jsonl, jsonl or text)")
-    p.add_argument("--limit", type=int, help="at most N prompts, spread over the subtasks")
-    p.add_argument("--category", action="append", help="only these categories / subtasks")
+    _add_prompt_flags(p)
     _add_sampling_flags(p)
     p.add_argument("--sequential", action="store_true",
                    help="load and measure one profile at a time (default: all loaded, taking turns per prompt)")
@@ -336,9 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ladder", help="one speculative profile at every draft depth: acceptance, speed-up, plateau")
     p.add_argument("-p", "--profile", required=True, help="a speculative profile (e.g. smollm2-mtp)")
     p.add_argument("--depths", default="1-6", help="draft depths: a range like 1-6 or a list like 1,2,4 (default 1-6)")
-    p.add_argument("--prompts", help="prompt file (Spec-Bench question.jsonl, jsonl or text)")
-    p.add_argument("--limit", type=int, help="at most N prompts, spread over the subtasks")
-    p.add_argument("--category", action="append", help="only these categories / subtasks")
+    _add_prompt_flags(p)
     p.add_argument("--plot", metavar="FILE", help="also write the chart as FILE.svg (or .png with matplotlib)")
     p.add_argument("--json", action="store_true")
     _add_sampling_flags(p)
@@ -347,14 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check that speculative output equals target-only output, token for token")
     p.add_argument("-p", "--profile", required=True, help="the speculative profile")
     p.add_argument("-r", "--reference", help="reference profile (default: the same profile, speculation off)")
-    p.add_argument("--prompts", help="prompt file (Spec-Bench question.jsonl, jsonl or text)")
-    p.add_argument("--limit", type=int)
-    p.add_argument("--category", action="append")
+    _add_prompt_flags(p)
     p.add_argument("--json", action="store_true")
     _add_sampling_flags(p)
     p.set_defaults(func=cmd_verify)
 
-    from specchat.train.cli import add_train_parser; add_train_parser(sub)  # noqa: E702
+    add_train_parser(sub)
     return ap
 
 

@@ -163,6 +163,21 @@ def speculation_note(s: Summary, unit: str = "tok/pass", acceptance: bool = True
     return note
 
 
+def stats_line(s: Summary, passes: bool = False, acceptance: bool = True, stop: bool = False) -> str:
+    """One reply's figures, written the same wherever they are shown: tokens, TTFT, decode tok/s,
+    the target passes (`passes`), speculation, and how the reply stopped (unless it ended on its
+    own; always with `stop`)."""
+    parts = [f"{s.tokens} tok", f"TTFT {s.ttft_s:.2f}s", f"{s.decode_tok_s:.1f} tok/s"]
+    if passes:
+        parts.append(f"{s.passes} passes")
+    spec = speculation_note(s, acceptance=acceptance)
+    if spec:
+        parts.append(spec)
+    if stop or s.stop_reason != "eos":
+        parts.append(f"stop: {s.stop_reason}")
+    return " · ".join(parts)
+
+
 def speculation_figures(live: LiveStats, remote: bool, positions: int = 8) -> str:
     """The status-bar segment on speculation: tokens per target pass (and this pass's) with the
     acceptance by draft position. A remote server's figures come with the end of the reply."""

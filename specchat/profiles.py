@@ -354,3 +354,8 @@ def load_profiles() -> ProfileSet:
         except ProfileError as e:
             errors[name] = str(e)
     return ProfileSet(profiles, errors)
+
+
+def get_profile(name: str | None = None) -> Profile:
+    """The profile of that name (the default profile for None), or ProfileError with one line."""
+    return load_profiles().get(name or DEFAULT_PROFILE)

@@ -21,7 +21,7 @@ from specchat import loading, paths
 from specchat.compare import near_tie_margin
 from specchat.conversation import Conversation
 from specchat.history import History, HistoryError
-from specchat.live import Failed, Item, one_line, pump, speculation_note
+from specchat.live import Failed, Item, one_line, pump, stats_line
 from specchat.profiles import Profile, ProfileError, load_profiles
 from specchat.verify import fresh, judge_replies, tie_margin_of, torch_engine_of
 
@@ -36,16 +36,6 @@ COMMANDS = {
     "/help": "/help           this list",
     "/exit": "/exit           leave (Ctrl-D too)",
 }
-
-
-def stats_line(s: Summary) -> str:
-    line = f"{s.tokens} tok · TTFT {s.ttft_s:.2f}s · {s.decode_tok_s:.1f} tok/s · {s.passes} passes"
-    spec = speculation_note(s)
-    if spec:
-        line += f" · {spec}"
-    if s.stop_reason != "eos":
-        line += f" · stop: {s.stop_reason}"
-    return line
 
 
 class Repl:
@@ -100,7 +90,7 @@ class Repl:
         p = self.profile
         bar = f" {p.name} · {p.method_label}" + (" · A/B on" if self.ab else "")
         if self.last is not None:
-            bar += " │ " + stats_line(self.last)
+            bar += " │ " + stats_line(self.last, passes=True)
         return bar
 
     # ------------------------------------------------------------------- loading
@@ -248,7 +238,7 @@ class Repl:
             if self.last is None:
                 self.say("no reply yet")
             else:
-                self.say(stats_line(self.last))
+                self.say(stats_line(self.last, passes=True))
                 if self.last.drafts:
                     by_pos = " ".join(f"{r:.0%}" for r in self.last.acceptance_by_position)
                     self.say(f"acceptance by draft position: {by_pos}")

@@ -5,7 +5,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from specchat.profiles import get_profile
 from specchat.train import BATCH_DTYPES
+from specchat.train.settings import (DFlashTrainConfig, DraftTrainConfig, MtpTrainConfig, add_training_flags,
+                                     config_from_args)
 
 
 def _say(msg: str) -> None:
@@ -13,10 +16,9 @@ def _say(msg: str) -> None:
 
 
 def cmd_data(args) -> int:
-    from specchat.cli import _profile
     from specchat.train.data import make_data
 
-    profile = _profile(args.target)
+    profile = get_profile(args.target)
     if args.threads is not None:
         profile = profile.model_copy(update={"threads": args.threads})
     make_data(profile, args.prompts, Path(args.out), max_tokens=args.max_tokens, limit=args.limit,
@@ -26,10 +28,9 @@ def cmd_data(args) -> int:
 
 
 def cmd_prompts(args) -> int:
-    from specchat.cli import _profile
     from specchat.train.self_prompts import make_prompts
 
-    profile = _profile(args.target)
+    profile = get_profile(args.target)
     if args.threads is not None:
         profile = profile.model_copy(update={"threads": args.threads})
     make_prompts(profile, Path(args.out), args.count, temperature=args.temperature, top_p=args.top_p,
@@ -38,58 +39,42 @@ def cmd_prompts(args) -> int:
 
 
 def cmd_draft(args) -> int:
-    from specchat.cli import _profile
-    from specchat.train.draft import DraftShape, TrainConfig, train_draft
+    from specchat.train.draft import DraftShape, train_draft
 
     shape = DraftShape(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                        ffn=args.ffn)
-    cfg = TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
-                      kl_weight=args.kl_weight, ce_weight=args.ce_weight, checkpoint_every=args.checkpoint_every,
-                      eval_every=args.eval_every, holdout=args.holdout, threads=args.threads,
-                      stop_at=args.stop_at, freeze_embedding=args.freeze_embedding)
-    train_draft(_profile(args.target), [Path(d) for d in args.data], Path(args.out), shape, cfg, say=_say)
+    cfg = config_from_args(DraftTrainConfig, args)
+    train_draft(get_profile(args.target), [Path(d) for d in args.data], Path(args.out), shape, cfg, say=_say)
     return 0
 
 
 def cmd_mtp(args) -> int:
-    from specchat.cli import _profile
-    from specchat.train.mtp import MtpTrainConfig, train_mtp
+    from specchat.train.mtp import train_mtp
 
-    cfg = MtpTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
-                         kl_weight=args.kl_weight, ce_weight=args.ce_weight, depth2_weight=args.depth2_weight,
-                         top_k=args.top_k,
-                         draft_vocab=args.draft_vocab, hidden_source=args.hidden_source,
-                         checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, holdout=args.holdout,
-                         threads=args.threads, stop_at=args.stop_at, max_prompt_tokens=args.max_prompt_tokens)
-    train_mtp(_profile(args.target), [Path(d) for d in args.data], Path(args.out), cfg, say=_say)
+    cfg = config_from_args(MtpTrainConfig, args)
+    train_mtp(get_profile(args.target), [Path(d) for d in args.data], Path(args.out), cfg, say=_say)
     return 0
 
 
 def cmd_dflash(args) -> int:
-    from specchat.cli import _profile
-    from specchat.train.dflash import DFlashShape, DFlashTrainConfig, train_dflash
+    from specchat.train.dflash import DFlashShape, train_dflash
 
     shape = DFlashShape(layers=args.layers, ffn=args.ffn, block_size=args.block_size,
                         target_layers=args.target_layers or [], mask_token_id=args.mask_token_id)
-    cfg = DFlashTrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, anchors=args.anchors, gamma=args.gamma,
-                            lr=args.lr, seed=args.seed, ce_weight=args.ce_weight, kl_weight=args.kl_weight,
-                            checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
-                            holdout=args.holdout, threads=args.threads, stop_at=args.stop_at,
-                            max_prompt_tokens=args.max_prompt_tokens)
-    train_dflash(_profile(args.target), [Path(d) for d in args.data], Path(args.out), shape, cfg, say=_say)
+    cfg = config_from_args(DFlashTrainConfig, args)
+    train_dflash(get_profile(args.target), [Path(d) for d in args.data], Path(args.out), shape, cfg, say=_say)
     return 0
 
 
 def cmd_cost(args) -> int:
     import json
 
-    from specchat.cli import _profile
     from specchat.train.cost import measure
     from specchat.train.draft import DraftShape
 
     shapes = [DraftShape(layers=n, hidden=h, heads=max(1, h // 64), kv_heads=max(1, h // 128), ffn=3 * h)
               for n in args.layers for h in args.hidden]
-    rows = measure(_profile(args.target), shapes, threads=args.threads, say=_say)
+    rows = measure(get_profile(args.target), shapes, threads=args.threads, say=_say)
     if args.json:
         print(json.dumps(rows))
     return 0
@@ -137,61 +122,30 @@ def add_train_parser(sub) -> None:
     p.set_defaults(func=cmd_data)
 
     p = tsub.add_parser("draft", help="train a small Llama draft model on `train data` output")
-    p.add_argument("--data", required=True, nargs="+", help="directories written by `specchat train data`")
-    p.add_argument("--target", default="smollm2", help="target profile (tokenizer and embeddings come from it)")
-    p.add_argument("--out", required=True, help="output model directory (checkpoints go to OUT/.train)")
+    add_training_flags(p, DraftTrainConfig(), "model")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--ffn", type=int, default=768)
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per step (default 2048)")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--kl-weight", type=float, default=1.0, help="weight of KL to the target's top-k distribution")
-    p.add_argument("--ce-weight", type=float, default=0.5, help="weight of cross-entropy on the target's tokens")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--freeze-embedding", action="store_true",
                    help="keep the projected target embedding (and tied head) fixed; trains only the layers")
-    p.add_argument("--holdout", type=float, default=0.05, help="share of samples held out for evaluation")
-    p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all physical cores)")
-    p.add_argument("--stop-at", type=int, help=argparse.SUPPRESS)  # simulate an interruption (tests)
     p.set_defaults(func=cmd_draft)
 
     p = tsub.add_parser("mtp", help="train an MTP head on the target's own hidden states (`train data` output)")
-    p.add_argument("--data", required=True, nargs="+", help="directories written by `specchat train data`")
-    p.add_argument("--target", default="smollm2", help="target profile (torch backend)")
-    p.add_argument("--out", required=True, help="output head directory (checkpoints and cached states in OUT/.train)")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-tokens", type=int, default=2048, help="entries per step (default 2048)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    add_training_flags(p, MtpTrainConfig(), "head")
     p.add_argument("--top-k", type=int, default=32, help="target probabilities kept per entry (default 32)")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="tokens the head may propose: the target's N most frequent choices (0: all)")
     p.add_argument("--hidden-source", choices=["post_norm", "pre_norm"], default="post_norm",
                    help="target state fed to the head: after the final norm (default) or the last layer's output")
-    p.add_argument("--kl-weight", type=float, default=1.0)
-    p.add_argument("--ce-weight", type=float, default=0.5)
-    p.add_argument("--max-prompt-tokens", type=int,
-                   help="train only on samples whose prompt is at most N tokens (long documents make the "
-                        "target's feature pass slow)")
     p.add_argument("--depth2-weight", type=float, default=0.5,
                    help="weight of the second drafting step's loss (the head fed its own output); 0: off")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--holdout", type=float, default=0.05)
-    p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all physical cores)")
-    p.add_argument("--stop-at", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_mtp)
 
     p = tsub.add_parser("dflash", help="train a DFlash block drafter (uses the target's hidden states, embedding "
                                        "and head) on `train data` output")
-    p.add_argument("--data", required=True, nargs="+", help="directories written by `specchat train data`")
-    p.add_argument("--target", default="smollm2", help="target profile (torch backend)")
-    p.add_argument("--out", required=True, help="output drafter directory (checkpoints go to OUT/.train)")
+    add_training_flags(p, DFlashTrainConfig(), "drafter")
     p.add_argument("--layers", type=int, default=1, help="draft layers (hidden size and heads are the target's)")
     p.add_argument("--ffn", type=int, default=0, help="MLP size of the draft layers (default: the target's)")
     p.add_argument("--block-size", type=int, default=4, help="block B: drafts up to B-1 tokens per pass (default 4)")
@@ -199,23 +153,8 @@ def add_train_parser(sub) -> None:
                    help="target decoder layers whose outputs condition the drafter (default: the published rule)")
     p.add_argument("--mask-token-id", type=int, help="token id of the block's masks (default: the tokenizer's mask "
                                                      "token, else its highest added non-EOS token)")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-tokens", type=int, default=1024, help="sample tokens per step (default 1024)")
     p.add_argument("--anchors", type=int, default=16, help="blocks per reply and step (default 16)")
-    p.add_argument("--max-prompt-tokens", type=int,
-                   help="train only on samples whose prompt is at most N tokens (long documents make the "
-                        "target's feature pass slow)")
     p.add_argument("--gamma", type=float, default=4.0, help="loss weight of block position k: exp(-(k-1)/gamma)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--ce-weight", type=float, default=1.0, help="weight of cross-entropy on the target's tokens")
-    p.add_argument("--kl-weight", type=float, default=1.0,
-                   help="weight of KL to the target's top-k distribution (0: the published recipe, CE only)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--holdout", type=float, default=0.05, help="share of samples held out for evaluation")
-    p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all physical cores)")
-    p.add_argument("--stop-at", type=int, help=argparse.SUPPRESS)  # simulate an interruption (tests)
     p.set_defaults(func=cmd_dflash)
 
     p = tsub.add_parser("cost", help="measure per-token cost of drafter shapes next to the target's")

@@ -1,35 +1,21 @@
 """`specchat train data`: the target answers training prompts; its replies and top-k distributions
-are stored for distillation.
+are stored for distillation (the directory's layout: store.py).
 
-Layout of the output directory:
-- `manifest.jsonl`: one line per sample: id, shard, prompt_len, reply_len, stop, offsets into the shard.
-- `shard-NNNNN.safetensors`: `tokens` int32 (prompt + reply ids of every sample, concatenated),
-  `topk_ids` int32 [reply positions, k] and `topk_logp` float16 [reply positions, k]: the target's
-  k most likely next tokens and their log-probabilities at each reply position (position j holds
-  the distribution the target chose reply token j from).
-- `info.json`: target profile, sampling, top-k, max tokens.
-
-Resumable: prompts whose id is already in the manifest are skipped. A shard and its manifest
-lines are written together every `shard_size` samples (and at the end).
+Resumable: prompts whose id is already in the manifest are skipped.
 """
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from specchat.backends.base import BackendError, Sampling
 from specchat.prompts import PromptItem, load_prompts
-from specchat.train import BATCH_DTYPES
 from specchat.train.progress import bar
+from specchat.train.store import INFO, Sample, ShardWriter, read_manifest
 from specchat.train.variants import derived_prompts, self_instruct_tasks
-
-MANIFEST = "manifest.jsonl"
-INFO = "info.json"
-
 
 def training_prompts(files: list[str], limit: int | None = None, instances: bool = False,
                      variants: bool = False) -> list[PromptItem]:
@@ -71,16 +57,6 @@ def _instance_prompts(path: Path) -> list[PromptItem]:
     return out
 
 
-@dataclass
-class Sample:
-    id: str
-    prompt: list[int]
-    reply: list[int]
-    topk_ids: torch.Tensor  # int32 [len(reply), k]
-    topk_logp: torch.Tensor  # float16 [len(reply), k]
-    stop: str
-
-
 def generate(engine, prompt: list[int], sampling: Sampling, top_k: int) -> Sample:
     """Decode with the target, keeping its top-k log-probabilities at every reply position.
 
@@ -104,52 +80,6 @@ def generate(engine, prompt: list[int], sampling: Sampling, top_k: int) -> Sampl
         logits, _ = engine.forward([token], pos, all_logits=False)
         pos += 1
     return Sample("", list(prompt), reply, torch.stack(ids), torch.stack(logps), stop)
-
-
-@dataclass
-class ShardWriter:
-    out: Path
-    shard_size: int
-    pending: list[Sample] = field(default_factory=list)
-
-    def next_index(self) -> int:
-        return len(list(self.out.glob("shard-*.safetensors")))
-
-    def add(self, s: Sample) -> None:
-        self.pending.append(s)
-        if len(self.pending) >= self.shard_size:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        from safetensors.torch import save_file
-
-        name = f"shard-{self.next_index():05d}.safetensors"
-        tokens, lines, tok_off, pos_off = [], [], 0, 0
-        for s in self.pending:
-            seq = s.prompt + s.reply
-            tokens += seq
-            lines.append({"id": s.id, "shard": name, "offset": tok_off, "prompt_len": len(s.prompt),
-                          "reply_len": len(s.reply), "topk_offset": pos_off, "stop": s.stop})
-            tok_off += len(seq)
-            pos_off += len(s.reply)
-        tmp = self.out / (name + ".tmp")
-        save_file({"tokens": torch.tensor(tokens, dtype=torch.int32),
-                   "topk_ids": torch.cat([s.topk_ids for s in self.pending]).contiguous(),
-                   "topk_logp": torch.cat([s.topk_logp for s in self.pending]).contiguous()}, str(tmp))
-        tmp.replace(self.out / name)
-        with open(self.out / MANIFEST, "a", encoding="utf-8") as f:
-            for line in lines:
-                f.write(json.dumps(line) + "\n")
-        self.pending = []
-
-
-def read_manifest(out: Path) -> list[dict]:
-    path = out / MANIFEST
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128, limit: int | None = None,
@@ -219,30 +149,10 @@ def _answer_one_by_one(profile, todo: list[PromptItem], sampling: Sampling, top_
     return n_tokens
 
 
-def batched_model(profile, dtype: str = "bfloat16"):
-    """transformers' model of the profile's target in `dtype` and its chat tokenizer, for batched decoding.
-
-    bfloat16 decodes a batch about 1.8x faster than float32 on CPUs with bfloat16 matrix units
-    (413 against 231 tok/s, 48 replies here); a local GGUF is dequantized first either way."""
-    from specchat import paths
-    from specchat.backends.cpu import thread_count
-    from specchat.backends.hf_reference import load_hf_model
-    from specchat.backends.native.tokenizer import ChatTokenizer
-    from specchat.models import resolve_model
-
-    ref = resolve_model(profile.model, profile.base_dir)
-    if ref.kind == "hub":
-        raise BackendError("batched decoding needs a local model file or directory (the profile names a hub id)")
-    if dtype not in BATCH_DTYPES:
-        raise BackendError(f"--dtype {dtype}: batched decoding runs in {' or '.join(BATCH_DTYPES)}")
-    torch.set_num_threads(thread_count(profile.threads))
-    return load_hf_model(ref.path, getattr(torch, dtype)), ChatTokenizer(ref.path, paths.cache_dir())
-
-
 def _answer_batched(profile, todo: list[PromptItem], sampling: Sampling, top_k: int, writer: ShardWriter,
                     total: int, batch: int, dtype: str) -> int:
     from specchat.loading import messages_for
-    from specchat.train.batched import generate_batch
+    from specchat.train.batched import batched_model, generate_batch
 
     model, tokenizer = batched_model(profile, dtype)
     eos = tokenizer.eos_ids

@@ -31,8 +31,10 @@ from specchat.backends.native.config import ModelConfig
 from specchat.backends.native.model import FINAL
 from specchat.backends.speculative.dflash import (FULL, DFlashConfig, DFlashModel, build_target_layer_ids, check_fits,
                                                   fresh_tensors)
-from specchat.train.draft import (LOG, Example, TrainState, data_commands, data_info_of, load_examples, lr_at,
-                                  schedule, split)
+from specchat.train import loop
+from specchat.train.settings import DFlashTrainConfig, flags_of
+from specchat.train.card import data_info_of, full_command
+from specchat.train.examples import Example, load_examples, schedule, split
 from specchat.train.progress import bar
 
 
@@ -45,27 +47,6 @@ class DFlashShape:
     block_size: int = 4
     target_layers: list[int] = field(default_factory=list)  # empty: the published default for `layers`
     mask_token_id: int | None = None  # None: see default_mask_token
-
-
-@dataclass
-class DFlashTrainConfig:
-    steps: int = 600
-    batch_tokens: int = 1024
-    anchors: int = 16  # blocks per sequence and step
-    gamma: float = 4.0  # position decay of the loss
-    lr: float = 3e-3
-    seed: int = 0
-    ce_weight: float = 1.0
-    # Not in the published recipe, which has far more data: on SmolLM2's 400 replies, KL to the
-    # target's top-k raised held-out agreement at block position 1 from 0.15 to 0.22 (600 steps).
-    kl_weight: float = 1.0
-    checkpoint_every: int = 100
-    eval_every: int = 100
-    holdout: float = 0.05
-    threads: int = 0
-    warmup: float = 0.05
-    stop_at: int | None = None  # stop (as if interrupted) after this step; for resume tests
-    max_prompt_tokens: int | None = None  # train only on samples whose prompt is at most this long
 
 
 def default_mask_token(tokenizer, vocab_size: int) -> int:
@@ -188,7 +169,6 @@ def losses(model: DFlashModel, embed: torch.Tensor, head: torch.Tensor, b: Batch
             "agree": right[rows].float().mean(), "right": right}
 
 
-@torch.no_grad()
 def evaluate(model, embed, head, examples: list[Example], feats: list[torch.Tensor], cfg: DFlashConfig,
              tc: DFlashTrainConfig) -> dict:
     """Held-out figures on fixed anchors whose whole block lies in the reply, teacher-forced:
@@ -213,7 +193,6 @@ def evaluate(model, embed, head, examples: list[Example], feats: list[torch.Tens
         blocks += right.shape[0]
         ce_sum += float(r["ce"]) * right.shape[0]
         ce_n += right.shape[0]
-    model.train()
     if not blocks:
         return {}
     acc = (hits / blocks).tolist()
@@ -225,21 +204,17 @@ def evaluate(model, embed, head, examples: list[Example], feats: list[torch.Tens
 
 def retrain_command(profile, data: list[Path], out: Path, shape: DFlashShape,
                     cfg: DFlashTrainConfig, dcfg: DFlashConfig) -> str:
-    parts = data_commands(profile, data)
-    parts.append(f"specchat train dflash --data {' '.join(map(str, data))} "
-                 f"--target {profile.name} --out {out} --layers {shape.layers} --ffn {dcfg.layer.ffn_dim} "
-                 f"--block-size {dcfg.block_size} --target-layers {' '.join(map(str, dcfg.target_layer_ids))} "
-                 f"--mask-token-id {dcfg.mask_token_id} --steps {cfg.steps} --batch-tokens {cfg.batch_tokens} "
-                 f"--anchors {cfg.anchors} --gamma {cfg.gamma} --lr {cfg.lr} --ce-weight {cfg.ce_weight} "
-                 f"--kl-weight {cfg.kl_weight} --holdout {cfg.holdout} --seed {cfg.seed}"
-                 + (f" --max-prompt-tokens {cfg.max_prompt_tokens}" if cfg.max_prompt_tokens else ""))
-    return " && \\\n  ".join(parts)
+    return full_command(profile, data, f"specchat train dflash --data {' '.join(map(str, data))} "
+                        f"--target {profile.name} --out {out} --layers {shape.layers} --ffn {dcfg.layer.ffn_dim} "
+                        f"--block-size {dcfg.block_size} --target-layers {' '.join(map(str, dcfg.target_layer_ids))} "
+                        f"--mask-token-id {dcfg.mask_token_id} --anchors {cfg.anchors} --gamma {cfg.gamma} "
+                        f"{flags_of(cfg)}")
 
 
 def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: DFlashTrainConfig, say=print) -> dict:
-    from specchat.backends.cpu import thread_count
     from specchat.loading import load_target
 
+    loop.start(cfg)
     data = [Path(d) for d in data]
     data_info = data_info_of(data)
     examples = load_examples(data, cfg.max_prompt_tokens)
@@ -248,8 +223,6 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
         raise BackendError(f"{data[0]}: too few samples to train on ({len(examples)})")
     longest = max(len(e.tokens) for e in examples)
     engine = load_target(profile, threads=cfg.threads, context=longest)
-    torch.set_num_threads(thread_count(cfg.threads))
-    torch.use_deterministic_algorithms(True)
     t = engine.model.cfg
     if max(int(e.tokens.max()) for e in examples) >= t.vocab_size:
         raise BackendError(f"{data[0]}: token ids beyond the target's vocabulary; was it made with another target?")
@@ -262,10 +235,8 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
     dcfg = drafter_config(shape, t, mask_id)
     check_fits(dcfg, t, "--target-layers / --mask-token-id")
     settings = {"shape": asdict(shape) | {"target_layers": dcfg.target_layer_ids, "mask_token_id": mask_id},
-                "train": {k: v for k, v in asdict(cfg).items() if k not in
-                          ("stop_at", "checkpoint_every", "eval_every", "threads")},
-                "data": [str(d) for d in data], "target": profile.name, "samples": len(examples)}
-    state = TrainState(out, settings)  # refuses a run with other settings before the costly features
+                "train": cfg.settings(), "data": [str(d) for d in data], "target": profile.name, "samples": len(examples)}
+    state = loop.TrainState(out, settings)  # refuses a run with other settings before the costly features
     keys = tuple(FINAL if i == t.n_layers - 1 else i for i in dcfg.target_layer_ids)
     # computed (and cached) in load order, so another hold-out split reuses them
     by_id = dict(zip((e.id for e in examples),
@@ -276,8 +247,6 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
 
     torch.manual_seed(cfg.seed)
     model = DFlashModel(dcfg, fresh_tensors(dcfg, torch.Generator().manual_seed(cfg.seed))).requires_grad_(True)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    step, wall = state.restore(model, opt, say)
     plan = schedule(len(train_set), [len(e.tokens) for e in train_set], cfg.batch_tokens, cfg.seed, cfg.steps)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"DFlash drafter: {shape.layers} layer(s), block {dcfg.block_size}, target layers {dcfg.target_layer_ids}, "
@@ -287,43 +256,20 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
     def held_out() -> dict:
         return evaluate(model, embed, head, eval_set, eval_feats, dcfg, cfg)
 
-    model.train()
-    started = time.perf_counter()
-    last: dict = {}
-    with bar("training DFlash drafter", cfg.steps, step) as update:
-        while step < cfg.steps:
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, cfg)
-            rng = random.Random(cfg.seed * 1_000_003 + step)
-            idx = plan[step]
-            anchors = [anchors_of(train_set[i], cfg.anchors, rng) for i in idx]
-            keep = [j for j, a in enumerate(anchors) if a]  # replies of one token have no block
-            last = {"step": step + 1}
-            if keep:
-                b = make_batch([train_set[idx[j]] for j in keep], [train_feats[idx[j]] for j in keep],
-                               [anchors[j] for j in keep], dcfg, cfg.gamma)
-                r = losses(model, embed, head, b, cfg)
-                opt.zero_grad(set_to_none=True)
-                r["loss"].backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                last |= {k: r[k].item() for k in ("loss", "ce", "kl", "agree")}
-            step += 1
-            now = time.perf_counter()
-            wall += now - started
-            started = now
-            last |= {"lr": lr_at(step - 1, cfg), "wall_s": round(wall, 1)}
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                last |= held_out()
-            state.log(last)
-            update(status=f"loss {last.get('loss', math.nan):.3f} agree {last.get('agree', math.nan):.2f}"
-                   + (f" held-out {last['eval_tokens_per_pass']:.2f} tok/pass"
-                      if "eval_tokens_per_pass" in last else ""))
-            if state.end_of_step(model, opt, step, wall, cfg, say):
-                return last
-            started = time.perf_counter()
-    if "eval_tokens_per_pass" not in last:
-        last |= held_out()
+    def step_loss(step: int) -> dict | None:
+        rng = random.Random(cfg.seed * 1_000_003 + step)
+        idx = plan[step]
+        anchors = [anchors_of(train_set[i], cfg.anchors, rng) for i in idx]
+        keep = [j for j, a in enumerate(anchors) if a]  # replies of one token have no block
+        if not keep:
+            return None
+        b = make_batch([train_set[idx[j]] for j in keep], [train_feats[idx[j]] for j in keep],
+                       [anchors[j] for j in keep], dcfg, cfg.gamma)
+        return losses(model, embed, head, b, cfg)
+
+    last, wall, finished = loop.run(model, cfg, state, step_loss, held_out, "training DFlash drafter", say)
+    if not finished:
+        return last
     export(model, out)
     write_card(out, profile, data_info, settings, dcfg, cfg, last, n_params, wall, len(train_set), len(eval_set),
                retrain_command(profile, data, out, shape, cfg, dcfg))
@@ -376,7 +322,7 @@ Spec-Bench was never used for training (it is refused by `specchat train data`);
 {command}
 ```
 
-The training log (loss, agreement, held-out figures) is in `{LOG}`.
+The training log (loss, agreement, held-out figures) is in `{loop.LOG}`.
 """
     (out / "README.md").write_text(text)
     (out / "training.json").write_text(json.dumps(settings | {"wall_s": round(wall, 1), "final": last}, indent=1))

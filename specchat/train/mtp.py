@@ -33,33 +33,14 @@ from specchat.backends.native.config import ModelConfig
 from specchat.backends.native.layers import RMSNorm, decoder_layer, rope_inv_freq, rope_tables
 from specchat.backends.native.linear import Linear
 from specchat.backends.native.model import FINAL
-from specchat.backends.native.weights import build_layer, hf_layer, hf_names, layer_tensors
 from specchat.backends.native.mtp import DRAFT_VOCAB
-from specchat.train.draft import (LOG, STATE_DIR, TrainState, data_commands, data_info_of, load_examples, lr_at,
-                                  prompt_sources, schedule, split)
+from specchat.backends.native.weights import build_layer, hf_layer, hf_names, layer_tensors
 from specchat.loading import target_path
+from specchat.train import loop
+from specchat.train.settings import MtpTrainConfig, flags_of
+from specchat.train.card import data_info_of, full_command, prompt_sources
+from specchat.train.examples import load_examples, schedule, split
 from specchat.train.progress import bar
-
-
-@dataclass
-class MtpTrainConfig:
-    steps: int = 600
-    batch_tokens: int = 2048
-    lr: float = 1e-3
-    seed: int = 0
-    kl_weight: float = 1.0
-    ce_weight: float = 0.5
-    depth2_weight: float = 0.5  # also train the second drafting step (the head fed its own output); 0: off
-    top_k: int = 32
-    draft_vocab: int = 8192  # 0: the whole vocabulary
-    hidden_source: str = "post_norm"
-    checkpoint_every: int = 100
-    eval_every: int = 100
-    holdout: float = 0.05
-    threads: int = 0
-    warmup: float = 0.05
-    stop_at: int | None = None
-    max_prompt_tokens: int | None = None  # train only on samples whose prompt is at most this long
 
 
 @dataclass
@@ -246,11 +227,9 @@ def losses(model: MtpTrainHead, head_w: torch.Tensor, batch, cfg: MtpTrainConfig
     return loss, kl, ce, agree, agree2
 
 
-@torch.no_grad()
 def evaluate(model, head_w, seqs, embed, to_sub, cfg) -> dict:
     if not seqs:
         return {}
-    model.eval()
     tot, n = {"kl": 0.0, "ce": 0.0, "agree": 0.0, "agree2": 0.0}, 0
     for i in range(0, len(seqs), 8):
         b = collate(seqs[i:i + 8], embed, to_sub)
@@ -259,27 +238,25 @@ def evaluate(model, head_w, seqs, embed, to_sub, cfg) -> dict:
         for name, v in (("kl", kl), ("ce", ce), ("agree", agree), ("agree2", agree2)):
             tot[name] += float(v if v is not None else float("nan")) * k
         n += k
-    model.train()
     return {f"eval_{k}": v / n for k, v in tot.items()} | {"eval_entries": n}
 
 
 # ---- training ----
 
 def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=print) -> dict:
-    from specchat.backends.cpu import thread_count
     from specchat.backends.native.engine import load_checkpoint
     from specchat.backends.native.int4 import Int4Rows
 
     if profile.backend != "torch":
         raise BackendError(f"profile '{profile.name}' uses backend '{profile.backend}'; MTP training needs the "
                            "torch engine (backend: torch)")
-    torch.set_num_threads(thread_count(cfg.threads))
+    loop.start(cfg)
     data = [Path(d) for d in data]
     examples = load_examples(data, cfg.max_prompt_tokens)
     train_ex, eval_ex = split(examples, cfg.holdout, cfg.seed)
     if not train_ex:
         raise BackendError(f"{data[0]}: too few samples to train on ({len(examples)})")
-    state_dir = out / STATE_DIR
+    state_dir = out / loop.STATE_DIR
     state_dir.mkdir(parents=True, exist_ok=True)
 
     path, kind = target_path(profile)
@@ -309,49 +286,29 @@ def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=pri
     say(f"draft vocabulary: {len(head_w)} tokens, covering {coverage:.1%} of the target's held-out choices")
 
     torch.manual_seed(cfg.seed)
-    torch.use_deterministic_algorithms(True)
     model = MtpTrainHead(tcfg, last, final_norm)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    settings = {"train": {k: v for k, v in asdict(cfg).items() if k not in ("stop_at", "checkpoint_every",
-                                                                            "eval_every", "threads")},
-                "data": [str(d) for d in data], "target": profile.name, "samples": len(examples)}
-    state = TrainState(out, settings)
-    step, wall = state.restore(model, opt, say)
+    settings = {"train": cfg.settings(), "data": [str(d) for d in data], "target": profile.name,
+                "samples": len(examples)}
+    state = loop.TrainState(out, settings)
     plan = schedule(len(train_seqs), [len(s.hidden) for s in train_seqs], cfg.batch_tokens, cfg.seed, cfg.steps)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"MTP head: {n_params / 1e6:.1f}M parameters; {len(train_seqs)} training / {len(eval_seqs)} held-out "
         f"sequences ({sum(len(s.hidden) for s in train_seqs)} training entries)")
 
-    model.train()
-    started = time.perf_counter()
-    rec: dict = {}
-    if step == 0 and eval_seqs:
-        rec = evaluate(model, head_w, eval_seqs, embed, to_sub, cfg)
-        say(f"before training: held-out top-1 agreement {rec['eval_agree']:.3f}")
-    with bar("training MTP head", cfg.steps, step) as update:
-        while step < cfg.steps:
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, cfg)
-            loss, kl, ce, agree, _ = losses(model, head_w, collate([train_seqs[i] for i in plan[step]], embed,
-                                                                   to_sub), cfg)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            step += 1
-            now = time.perf_counter()
-            wall += now - started
-            started = now
-            rec = {"step": step, "loss": loss.item(), "kl": kl.item(), "ce": ce.item(), "agree": agree.item(),
-                   "lr": lr_at(step - 1, cfg), "wall_s": round(wall, 1)}
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                rec |= evaluate(model, head_w, eval_seqs, embed, to_sub, cfg)
-            state.log(rec)
-            update(status=f"loss {rec['loss']:.3f} agree {rec['agree']:.2f}"
-                   + (f" held-out {rec['eval_agree']:.2f}" if "eval_agree" in rec else ""))
-            if state.end_of_step(model, opt, step, wall, cfg, say):
-                return rec
-            started = time.perf_counter()
+    def held_out() -> dict:
+        return evaluate(model, head_w, eval_seqs, embed, to_sub, cfg)
+
+    if state.saved is None and eval_seqs:
+        say(f"before training: held-out top-1 agreement {loop.evaluated(model, held_out)['eval_agree']:.3f}")
+
+    def step_loss(step: int) -> dict:
+        batch = collate([train_seqs[i] for i in plan[step]], embed, to_sub)
+        loss, kl, ce, agree, _ = losses(model, head_w, batch, cfg)
+        return {"loss": loss, "kl": kl, "ce": ce, "agree": agree}
+
+    rec, wall, finished = loop.run(model, cfg, state, step_loss, held_out, "training MTP head", say)
+    if not finished:
+        return rec
     export(model, tcfg, vocab, cfg, out, profile)
     write_card(out, profile, data, data_info_of(data), cfg, rec, n_params, wall, len(train_seqs), len(eval_seqs),
                coverage, len(head_w))
@@ -377,13 +334,9 @@ def export(model: MtpTrainHead, tcfg: ModelConfig, vocab, cfg: MtpTrainConfig, o
 
 
 def retrain_command(profile, data: list[Path], out: Path, cfg: MtpTrainConfig) -> str:
-    parts = data_commands(profile, data)
-    parts.append(f"specchat train mtp --data {' '.join(map(str, data))} --target {profile.name} --out {out} "
-                 f"--steps {cfg.steps} --batch-tokens {cfg.batch_tokens} --lr {cfg.lr} --top-k {cfg.top_k} "
-                 f"--draft-vocab {cfg.draft_vocab} --hidden-source {cfg.hidden_source} --kl-weight {cfg.kl_weight} "
-                 f"--ce-weight {cfg.ce_weight} --depth2-weight {cfg.depth2_weight} --holdout {cfg.holdout} --seed {cfg.seed}"
-                 + (f" --max-prompt-tokens {cfg.max_prompt_tokens}" if cfg.max_prompt_tokens else ""))
-    return " && \\\n  ".join(parts)
+    return full_command(profile, data, f"specchat train mtp --data {' '.join(map(str, data))} --target {profile.name} "
+                        f"--out {out} --top-k {cfg.top_k} --draft-vocab {cfg.draft_vocab} --hidden-source "
+                        f"{cfg.hidden_source} --depth2-weight {cfg.depth2_weight} {flags_of(cfg)}")
 
 
 def write_card(out: Path, profile, data, info, cfg, rec, n_params, wall, n_train, n_eval, coverage, n_vocab) -> None:
@@ -417,7 +370,7 @@ Spec-Bench was never used for training; it is evaluation only.
 {retrain_command(profile, data, out, cfg)}
 ```
 
-The training log is in `{LOG}`.
+The training log is in `{loop.LOG}`.
 """
     (out / "README.md").write_text(text)
     (out / "training.json").write_text(json.dumps(

@@ -61,8 +61,7 @@ def make_prompts(profile, out: Path, count: int, temperature: float = 1.0, top_p
                  max_tokens: int = 96, batch: int = 48, seed: int = 0, dtype: str = "bfloat16",
                  say=print) -> dict:
     """Append self-written prompts to `out` (jsonl, `{"id", "prompt", "attempt"}`) until it holds `count`."""
-    from specchat.train.batched import generate_batch
-    from specchat.train.data import batched_model
+    from specchat.train.batched import batched_model, generate_batch
 
     if count < 1 or batch < 1:
         raise BackendError("--count and --batch must be at least 1")

@@ -15,7 +15,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, LoadingIndicator
 
 from specchat.backends.base import Request, Summary
-from specchat.live import Failed, Item, LiveStats, format_rate, pump, speculation_figures, speculation_note
+from specchat.live import Failed, Item, LiveStats, format_rate, pump, speculation_figures, stats_line
 from specchat.loading import messages_for, sampling_of
 from specchat.tui.budget import RenderBudget
 from specchat.tui.widgets import DRAFT_STYLE, AssistantMessage, ChatInput, StatusBar, UserMessage
@@ -37,13 +37,8 @@ def stats_dict(s: Summary) -> dict:
 
 
 def summary_note(s: Summary) -> str:
-    note = f"{s.tokens} tok · TTFT {s.ttft_s:.2f}s · {s.decode_tok_s:.1f} tok/s"
-    spec = speculation_note(s, acceptance=False)
-    if spec:
-        note += f" · {spec}"
-    if s.stop_reason not in ("eos",):
-        note += f" · stopped: {s.stop_reason}"
-    return note
+    """The closing note under a finished reply."""
+    return stats_line(s, acceptance=False)
 
 
 class ChatScreen(Screen):

@@ -194,7 +194,7 @@ def test_holdout_keeps_every_variant_of_a_task_on_one_side():
     several prompts from one task), or held-out agreement measures memory, not generalisation."""
     import torch
 
-    from specchat.train.draft import Example, source_task, split
+    from specchat.train.examples import Example, source_task, split
 
     ids = [f"seed:task_{t}" + (f"~{kind}" if kind else "") for t in range(40) for kind in ("", "summary", "explain")]
     examples = [Example(i, torch.tensor([1, 2, 3]), 1, torch.zeros(2, 1), torch.zeros(2, 1)) for i in ids]
@@ -240,7 +240,8 @@ def test_prompt_prefix_ends_where_the_users_text_starts(default_gguf):
 
 def test_retrain_command_remakes_every_data_directory(tmp_path):
     from specchat.profiles import load_profiles
-    from specchat.train.draft import DraftShape, TrainConfig, retrain_command
+    from specchat.train.draft import DraftShape, retrain_command
+    from specchat.train.settings import DraftTrainConfig
 
     profile = load_profiles().get("smollm2")
     a, b = tmp_path / "a", tmp_path / "b"
@@ -249,7 +250,7 @@ def test_retrain_command_remakes_every_data_directory(tmp_path):
                          "temperature": 0.7, "seed": 3, "generator": "transformers float32, batched", "batch": 32})):
         d.mkdir()
         (d / "info.json").write_text(json.dumps(info))
-    steps = retrain_command(profile, [a, b], tmp_path / "out", DraftShape(), TrainConfig()).split(" && \\\n  ")
+    steps = retrain_command(profile, [a, b], tmp_path / "out", DraftShape(), DraftTrainConfig()).split(" && \\\n  ")
     assert steps[0].endswith(f"--out {a} --max-tokens 256 --top-k 32 --limit 224")
     assert "--prompts x.jsonl y.jsonl" in steps[1] and steps[1].endswith(
         f"--out {b} --max-tokens 128 --top-k 16 --temperature 0.7 --seed 3 --variants --batch 32 --dtype float32")
@@ -262,7 +263,7 @@ def test_retrain_command_remakes_every_data_directory(tmp_path):
                                                         "dtype": "bfloat16"}))
     info = json.loads((a / "info.json").read_text()) | {"prompt_files": [str(own)]}
     (a / "info.json").write_text(json.dumps(info))
-    steps = retrain_command(profile, [a], tmp_path / "out", DraftShape(), TrainConfig()).split(" && \\\n  ")
+    steps = retrain_command(profile, [a], tmp_path / "out", DraftShape(), DraftTrainConfig()).split(" && \\\n  ")
     assert steps[0] == (f"specchat train prompts --target smollm2 --out {own} --count 1 --max-tokens 64 "
                         "--temperature 1.0 --top-p 0.95 --batch 48 --seed 0 --dtype bfloat16")
     assert steps[1].startswith(f"specchat train data --target smollm2 --prompts {own} --out {a} ")

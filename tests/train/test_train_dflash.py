@@ -108,7 +108,7 @@ def test_a_training_block_sees_what_the_drafter_sees_at_inference(setup):
     import torch
 
     from specchat.train.dflash import make_batch
-    from specchat.train.draft import load_examples
+    from specchat.train.examples import load_examples
 
     target = TorchBackend(setup[0], "hf_dir", precision="float32", threads=1, context=256)
     model = load_dflash(setup[3], target.model.cfg)
