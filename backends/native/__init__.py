@@ -1,16 +1,18 @@
-"""specchat's native PyTorch engine (Llama family: SmolLM2, Llama 3.x, Qwen2/2.5, Qwen3).
+"""The native PyTorch engine (Llama family: SmolLM2, Llama 3.x, Qwen2/2.5, Qwen3).
 
-    model.py        ModelConfig, Transformer (forward over K tokens at absolute positions), KVCache
-    weights.py      Checkpoint, Hugging Face safetensors loader, build_model (fused qkv / gate-up)
-    gguf_loader.py  GGUF -> Checkpoint (dequantized, or Q4 blocks kept for torch's int4 kernel)
+    config.py       ModelConfig: a checkpoint's shape, from its own config
+    layers.py       the transformer, written once: RMSNorm, RoPE, Attention, GatedMLP, DecoderLayer
+    linear.py       Linear: dense, int4 (with a dense copy for prefill) or float32 in row pairs
+    int4.py         Int4Rows (GGUF Q4 blocks) and torch's CPU int4 kernel
+    model.py        Transformer: forward over K tokens at absolute positions, with its KV cache
+    exact_rows.py   row-exact passes on CPU: verify rows with the bits of single-token passes
+    weights.py      Checkpoint, the Hugging Face loader and name map, build_model
+    gguf_loader.py  GGUF -> Checkpoint (dequantized, or Q4 blocks kept for the int4 kernel)
     tokenizer.py    ChatTokenizer: the model's own tokenizer and chat template via transformers
     sampling.py     greedy and position-keyed Gumbel-max sampling; probs() for rejection sampling
-    engine.py       TorchBackend: the streaming Backend plus the API a speculative loop uses
-
-The speculative loop drives a `TorchBackend` through: forward(tokens, start_pos, hidden_layers,
-all_logits, exact_rows), cache_len, cached, truncate(n), sample(logits, positions, sampling),
-probs(logits, sampling), prefill(ids), prefill_with_hidden(ids, hidden_layers), eos_ids,
-context_length, rows_bitwise, model (embed, head, cfg), tokenizer.
+    argmax_head.py  the float32 head's argmax choice at an int8 head's cost
+    mtp.py          MTP / nextn heads: reading the public layouts, and the head itself
+    engine.py       TorchBackend: the streaming Backend plus what the speculative loop uses
 
 Position convention: logits row i of forward(tokens, start) predicts the token at absolute
 position start + i + 1, and sample() keys its noise by that position.

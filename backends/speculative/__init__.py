@@ -1,0 +1,14 @@
+"""Speculative decoding on the torch engine: one loop, many drafters.
+
+    loop.py        the one speculative loop: a drafter proposes, the target verifies in one pass, both roll back
+    acceptance.py  which drafts are kept: exact (seed-identical to target-only) or rejection sampling
+    gate.py        draft from a source only while its passes pay
+    drafters.py    prompt lookup, a draft model, prompt lookup in front of a model drafter
+    ngram.py       the n-gram index behind prompt lookup
+    mtp.py         the MTP drafter (the head itself: native/mtp.py)
+    dflash.py      the DFlash block drafter: its model, loader and drafter
+    backend.py     SpeculativeBackend (a Backend whose stream is the loop) and SpeculativeSettings
+
+A drafter only proposes (`Drafter.propose` / `commit` in loop.py); verification, acceptance and
+rollback happen in the loop, for every drafter alike.
+"""
