@@ -1,11 +1,11 @@
 """The LM head for argmax choices on CPU: the float32 head's choice at an int8 head's cost.
 
-A float32 head over SmolLM2's 49,152 tokens is a fifth of a decode step on 2 cores. Greedy
+A float32 head over a 50k-token vocabulary is a large share of a small model's decode step. Greedy
 decoding only needs its argmax, and temperature sampling (Gumbel-max, see sampling.py) the
 argmax of logits / T plus noise, so:
 
 1. an int8 copy of the head (one scale per row, torch's int8 kernel with bfloat16 activations,
-   about 3x faster) gives approximate logits A;
+   several times faster) gives approximate logits A;
 2. a rigorous bound E on |A - float32 logits| per entry (Cauchy-Schwarz on the weight and
    activation rounding, plus float32 accumulation and the kernel's bfloat16 output);
 3. every token whose score could still be the best ((A + E) / T + noise >= max((A - E) / T +

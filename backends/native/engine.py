@@ -55,10 +55,10 @@ def has_int4(ck: Checkpoint) -> bool:
 
 
 def choose_precision(requested: str, device: torch.device, ck: Checkpoint) -> str:
-    """'auto' on CPU: the int4 kernel when the GGUF holds Q4 blocks (about twice as fast as any
-    dense path for SmolLM2-135M), else float32 (exact, and bfloat16 measured no faster on CPU for
-    small models; see scripts/bench_engine.py). On CUDA: bfloat16. A fixed rule, not a timing at
-    load, so one profile always computes the same thing."""
+    """'auto' on CPU: the int4 kernel when the GGUF holds Q4 blocks (the fastest path for a small
+    model), else float32 (no slower than bfloat16 on CPU for small models; re-measure:
+    scripts/bench_engine.py). On CUDA: bfloat16. A fixed rule, not a timing at load, so one
+    profile always computes the same thing."""
     if requested != "auto":
         return requested
     if device.type != "cpu":
@@ -121,7 +121,7 @@ class TorchBackend(Backend):
         from .weights import progress
 
         layers = (0,) if hidden else ()
-        label = "compiling decode graphs (minutes on a first start, then cached: ~25 s)"
+        label = "compiling decode graphs (minutes on a first start, then from torch's cache)"
         try:
             with progress(label, 2) as advance:
                 self.truncate(0)

@@ -105,25 +105,19 @@ def _rows_to_pad(rows: int) -> int:
 
 def attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: Tensor,
                 mode: str = "shared") -> Tensor:
-    """q [H, n, hd] as n rows over cache[:n_keys] (mask from `key_mask`); returns [1, H, n, hd].
+    """q [H, n, hd] as n rows over cache[:n_keys] (mask from `key_mask`), each as its single-token
+    pass computes it, reading the cache in place; returns [1, H, n, hd].
 
-    Each row is computed exactly as a single-token pass computes it, reading the cache in place.
-    With grouped-query attention (G = H / Hkv > 1 query heads per kv head) a single-token pass is
-    already a G-row query per kv head; a block's rows join those as more query rows of the same
-    kv head ([1, Hkv, n * G, hd]): one attention call over the keys for all of them. With G == 1
-    each row stays a one-row query: the rows go into the head dimension, every one sharing its kv
-    head. (A batch of rows would need the cache expanded per row, which a compiled graph copies.)
-
-    CPU flash attention in bfloat16 (the row-invariant precisions' cache) takes query rows in
-    blocks (32 for short queries) and multiplies each block by the keys in one GEMM. Whether a
-    row's bits then depend on the block around it is the CPU's GEMM's business, so the machine is
-    probed (`probe_attention_mode`) and `mode` says how to call:
-    - "shared": the rows in one call; a last query block of a single row goes another kernel path
-      with other bits now and then, so it gets a call of its own.
-    - "padded": where a GEMM of 1-3 rows rounds differently from a larger one, zero query rows
-      are added (_rows_to_pad) so that no query block is that small, single-token passes included:
-      every row then comes from a GEMM of 4 or more rows.
-    - "separate": each row the call a single-token pass makes (the fallback; a row costs a call)."""
+    With G = H / Hkv > 1 query heads per kv head a single-token pass is already a G-row query per
+    kv head, and a block's rows join it as more query rows ([1, Hkv, n * G, hd]); with G == 1 each
+    row is a one-row query in the head dimension. CPU flash attention takes query rows in blocks
+    (`_query_block`) and multiplies each block by the keys in one GEMM, so `mode` says how rows
+    share a call on this machine's kernel (`probe_attention_mode`):
+    - "shared": one call; a last query block of a single row goes another kernel path, so it gets
+      a call of its own.
+    - "padded": zero query rows are added (`_rows_to_pad`, single-token passes included) so that no
+      query block has fewer than 4 rows, where a GEMM of 1-3 rows rounds differently.
+    - "separate": each row the call a single-token pass makes (a row costs a call)."""
     H, n, hd = q.shape
     Hkv = cache_k.shape[1]
     G = H // Hkv

@@ -4,12 +4,9 @@ If the last n tokens appeared earlier, propose what followed them then. Longer m
 tried first. Strong where the reply quotes its input: summaries, RAG answers, code edits.
 
 A match of n tokens proposes at most n: the longer the match, the likelier what followed it comes
-again. In SmolLM2-135M's greedy replies to 48 Spec-Bench prompts (128 tokens) the first proposed
-token was right 24% of the time after a 1-token match, 47% after 2, 62% after 3, 71-84% after
-4-7 and 88% after 8 or more; the second about half as often as the first after a 1-token match,
-two thirds after 2-3 (`scripts/lookup_hit_rates.py`). With a strict verify pass of 1, 2, 3 drafted tokens costing
-1.15, 1.27, 1.45 single-token passes (eager, 2 AVX2 cores, ~900 cached tokens), a 1-token match
-pays for one drafted token but not for three.
+again, and a short match's later guesses are right too rarely to pay for the rows they add to
+the verify pass (re-measure the hit rate by match length and the cost per drafted row:
+scripts/lookup_hit_rates.py; figures in docs/results.md).
 
 A match just behind the tail (a loop: the last n tokens also stood p tokens earlier) is read on
 into the proposal itself, so that the loop continues.
@@ -17,9 +14,8 @@ into the proposal itself, so that the loop continues.
 A reply that copies (a function it was asked to edit, a paragraph it repeats, a loop of its own
 text) shows it by a long match: once the last COPY_MIN tokens appeared together before, the
 index proposes up to `copy_depth` tokens, at most one fewer than the match is long, instead of
-the usual few. Verifying many rows costs more per pass (for SmolLM2-135M on 2 CPU cores, 8
-rows ~1.8 single-token passes, 16 ~2.2; 8 rows 2.3 on the AVX2-only machine), which a copying run
-pays back; short matches keep short drafts.
+the usual few. Verifying many rows costs more per pass, which a copying run pays back; short
+matches keep short drafts.
 """
 from __future__ import annotations
 

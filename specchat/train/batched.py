@@ -1,11 +1,10 @@
 """Batched reply generation for `specchat train data --batch N`.
 
-The torch engine decodes one sequence at a time (about 45 tok/s for SmolLM2-135M on 2 cores);
-distillation data wants hundreds of thousands of tokens. transformers' model of the same
-checkpoint (a GGUF dequantized, then run in bfloat16 by default) decodes a left-padded batch in one
-pass per step: 413 tok/s at batch 48 here (float32: 231 tok/s in the same A/B), several times the
-engine one sequence at a time. Tokens are chosen by the engine's own position-keyed sampler, and
-the stored top-k log-probabilities are this model's.
+The torch engine decodes one sequence at a time; distillation data wants hundreds of thousands
+of tokens. transformers' model of the same checkpoint (a GGUF dequantized, then run in bfloat16
+by default) decodes a left-padded batch in one pass per step, several times the engine's rate
+(`specchat train data` prints its tok/s). Tokens are chosen by the engine's own position-keyed
+sampler, and the stored top-k log-probabilities are this model's.
 
 These replies are this model's, not the engine's int4 arithmetic: greedy replies can part
 from the engine's at a near-tie. A drafter only needs replies typical of the target; the
@@ -69,10 +68,9 @@ def generate_batch(model, prompts: list[list[int]], sampling: Sampling, top_k: i
 
 
 def batched_model(profile, dtype: str = "bfloat16"):
-    """transformers' model of the profile's target in `dtype` and its chat tokenizer, for batched decoding.
-
-    bfloat16 decodes a batch about 1.8x faster than float32 on CPUs with bfloat16 matrix units
-    (413 against 231 tok/s, 48 replies here); a local GGUF is dequantized first either way."""
+    """transformers' model of the profile's target in `dtype` and its chat tokenizer, for batched
+    decoding (bfloat16 is the faster on CPUs with bfloat16 matrix units); a local GGUF is
+    dequantized first either way."""
     from specchat import paths
     from specchat.backends.cpu import thread_count
     from specchat.backends.hf_reference import load_hf_model

@@ -115,7 +115,7 @@ def add_train_parser(sub) -> None:
                         "document, rewrite, explain, key points, continue")
     p.add_argument("--batch", type=int, default=1,
                    help="N > 1: decode N replies at once with transformers' model of the target "
-                        "(48: ~400 tok/s in bfloat16 on 2 cores; replies may part from the engine's at near-ties)")
+                        "(several times one-by-one decoding; replies may part from the engine's at near-ties)")
     p.add_argument("--dtype", choices=BATCH_DTYPES, default="bfloat16",
                    help="precision of the batched model (with --batch; default bfloat16: ~1.8x float32's rate)")
     p.add_argument("--threads", type=int, help="override the profile's threads (1 is fastest on a busy machine)")
