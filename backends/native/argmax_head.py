@@ -18,7 +18,7 @@ row-invariant), so a verify block's rows choose what single-token passes choose.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -62,10 +62,16 @@ class ArgmaxHead:
         # float32 accumulation over `dim` products, once in the kernel and once in the recomputation
         self.gamma = 2 * w.shape[1] * torch.finfo(torch.float32).eps
 
-    def choose(self, states: Tensor, positions: Sequence[int], s: Sampling) -> Tensor:
+    def choose(self, states: Tensor, positions: Sequence[int], s: Sampling,
+               full_head: Callable[[Tensor, Sequence[int]], Tensor] | None = None) -> Tensor:
         """The token `sampling.sample` picks from the float32 logits, for greedy decoding (argmax of
         the logits) or temperature sampling without top-k / top-p (argmax of logits / T plus the
-        position-keyed noise): only tokens whose score could still be the best are recomputed."""
+        position-keyed noise): only tokens whose score could still be the best are recomputed.
+
+        The recomputed logits are float32 dot products summed in another order than the float32
+        head's GEMM, so where a row's best two scores lie within both orders' rounding of each
+        other the choice could differ from the float32 head's: such rows (rare) are handed to
+        `full_head(rows, positions)`, the float32 head itself, when given."""
         x = states.float()
         approx, bound = self._approx(x)
         high, low = approx + bound, approx - bound  # each token's logit lies in between
@@ -81,9 +87,23 @@ class ArgmaxHead:
         exact = (self.weight[ids] * x[rows]).sum(-1)  # the float32 logits of the tokens that could win
         # the sampler's own arithmetic on them (x / T + noise), so ties break as it breaks them
         scores = exact if noise is None else exact / s.temperature + noise[rows, ids]
-        if len(x) == 1:  # ids ascend within a row: argmax keeps the first of equal scores, as the sampler does
-            return ids[scores.argmax()].reshape(1)
-        return torch.stack([ids[rows == r][scores[rows == r].argmax()] for r in range(len(x))])
+        # how far another summation order could move each score: float32 accumulation over `dim`
+        # products, |x| |w| per token (Cauchy-Schwarz)
+        spread = self.gamma * x.norm(dim=1)[rows] * self.norms[1, ids] / (1.0 if noise is None else s.temperature)
+        chosen, unsure = [], []
+        for r in range(len(x)):
+            mine = rows == r
+            row_scores, row_spread = scores[mine], spread[mine]
+            best = int(row_scores.argmax())  # ids ascend within a row: the first of equal scores, as the sampler
+            close = row_scores >= row_scores[best] - row_spread[best] - row_spread
+            close[best] = False
+            if full_head is not None and bool(close.any()):
+                unsure.append(r)
+            chosen.append(ids[mine][best])
+        out = torch.stack(chosen)
+        if unsure:
+            out[unsure] = full_head(states[unsure], [positions[r] for r in unsure]).to(out.dtype)
+        return out
 
     def _approx(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """The int8 head's logits and the bound on their distance from the float32 logits: per token,

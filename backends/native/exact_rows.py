@@ -86,8 +86,12 @@ def row_groups(start: int, K: int, max_len: int, device: torch.device, dtype: to
     return groups
 
 
-# How `attend_rows` computes the rows of one call, fastest first (see there)
-ATTENTION_MODES = ("shared", "padded", "separate")
+# How `attend_rows` computes the rows of one call, in the order they are tried (see there). "padded"
+# first: no query block of fewer than 4 rows is where CPUs were seen to keep a row's bits, while a
+# 1-3-row block rounds differently on some (a last block of 2 rows on an Intel Xeon, where random
+# probes passed "shared" and real attention did not: tests/native/test_real_model.py), and the
+# padding costs no measurable time (re-measure: scripts/bench_engine.py).
+ATTENTION_MODES = ("padded", "shared", "separate")
 _MIN_QUERY_ROWS = 4  # "padded": no query block of CPU flash attention with fewer rows
 
 
@@ -113,10 +117,10 @@ def attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: 
     row is a one-row query in the head dimension. CPU flash attention takes query rows in blocks
     (`_query_block`) and multiplies each block by the keys in one GEMM, so `mode` says how rows
     share a call on this machine's kernel (`probe_attention_mode`):
-    - "shared": one call; a last query block of a single row goes another kernel path, so it gets
-      a call of its own.
     - "padded": zero query rows are added (`_rows_to_pad`, single-token passes included) so that no
       query block has fewer than 4 rows, where a GEMM of 1-3 rows rounds differently.
+    - "shared": one call; a last query block of a single row goes another kernel path, so it gets
+      a call of its own.
     - "separate": each row the call a single-token pass makes (a row costs a call)."""
     H, n, hd = q.shape
     Hkv = cache_k.shape[1]
