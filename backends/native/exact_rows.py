@@ -87,10 +87,9 @@ def row_groups(start: int, K: int, max_len: int, device: torch.device, dtype: to
 
 
 # How `attend_rows` computes the rows of one call, in the order they are tried (see there). "padded"
-# first: no query block of fewer than 4 rows is where CPUs were seen to keep a row's bits, while a
-# 1-3-row block rounds differently on some (a last block of 2 rows on an Intel Xeon, where random
-# probes passed "shared" and real attention did not: tests/native/test_real_model.py), and the
-# padding costs no measurable time (re-measure: scripts/bench_engine.py).
+# first: a query block of 1-3 rows rounds differently from larger ones on some CPUs, in ways random
+# probes can miss and real attention does not (tests/native/test_real_model.py checks the real
+# model), and the padding costs no measurable time (re-measure: scripts/bench_engine.py).
 ATTENTION_MODES = ("padded", "shared", "separate")
 _MIN_QUERY_ROWS = 4  # "padded": no query block of CPU flash attention with fewer rows
 
