@@ -65,7 +65,8 @@ class Step:
 
     `token_ids` are the tokens this pass committed. For a speculative pass the first
     `accepted` of them are drafts the target confirmed and the last one is the target's own
-    (correction or bonus) token; `drafted` is how many tokens the drafter proposed.
+    (correction or bonus) token; `drafted` is how many tokens the drafter proposed, `draft`
+    which (accepted or not).
     """
 
     token_ids: list[int]
@@ -74,6 +75,10 @@ class Step:
     accepted: int = 0
     # Tokens this step stands for when their ids are unknown (a remote server without logprobs ids).
     token_count: int | None = None
+    draft: list[int] = field(default_factory=list)
+    # Whether the pass computed each row exactly as a single-token pass does (native/exact_rows.py),
+    # so its tokens are the ones target-only decoding computes; None where the backend cannot say.
+    row_exact: bool | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -103,6 +108,13 @@ class Summary:
     # and False when the server reported none (then drafts and acceptance are unknown, not zero).
     spec_source: str | None = None
     spec_reported: bool = True
+    # How the reply was computed, for telling a floating-point flip from a bug (specchat verify):
+    # prompt tokens reused from the cache instead of computed by this run's prefill; leading reply
+    # tokens chosen by passes that all had single-token arithmetic (None: the backend cannot say);
+    # and per pass, the tokens it verified as drafts and how many tokens it emitted.
+    prefill_start: int | None = None
+    exact_tokens: int | None = None
+    pass_log: list[tuple[list[int], int]] = field(default_factory=list)
 
     @property
     def decode_tok_s(self) -> float:
@@ -147,19 +159,27 @@ def tally_positions(drafted: list[int], accepted: list[int], step: Step) -> None
 class StreamStats:
     """Accumulates `Step`s into a `Summary`; every backend uses it so metrics mean one thing."""
 
-    def __init__(self, prompt_tokens: int = 0):
+    def __init__(self, prompt_tokens: int = 0, prefill_start: int | None = None):
         self.start = time.perf_counter()
         self.first_token_at: float | None = None
-        self.summary = Summary(stop_reason="", prompt_tokens=prompt_tokens)
+        self.summary = Summary(stop_reason="", prompt_tokens=prompt_tokens, prefill_start=prefill_start, exact_tokens=0)
+        self._exact = True  # every pass so far had single-token arithmetic
 
     def add(self, step: Step) -> Step:
         s = self.summary
         if self.first_token_at is None and step.n_tokens:
             self.first_token_at = time.perf_counter()
         s.passes += 1
+        if step.row_exact is None:
+            s.exact_tokens, self._exact = None, False
+        elif self._exact and step.row_exact:
+            s.exact_tokens += step.n_tokens
+        else:
+            self._exact = False
         s.tokens += step.n_tokens
         s.token_ids.extend(step.token_ids)
         s.text += step.text
+        s.pass_log.append((list(step.draft), step.n_tokens))
         if step.drafted:
             s.drafts += 1
             s.draft_tokens += step.drafted
@@ -230,10 +250,13 @@ class Backend(ABC):
 
 def decode_stream(tokens: Iterator[int], *, prompt_tokens: int, sampling: Sampling, context_length: int,
                   is_eos: Callable[[int], bool], detokenize: Callable[[Sequence[int]], str],
-                  cancel: threading.Event | None = None) -> Iterator[Event]:
+                  cancel: threading.Event | None = None, row_exact: bool | None = None,
+                  prefill_start: Callable[[], int | None] = lambda: None) -> Iterator[Event]:
     """Target-only streaming around a lazy iterator of sampled tokens (one model pass each),
     with the stop rules every backend shares: end of sequence, max tokens, a full context,
-    cancellation. The iterator is only advanced when another token is wanted."""
+    cancellation. The iterator is only advanced when another token is wanted. `row_exact`: what
+    the backend knows of its passes' arithmetic (Step.row_exact); `prefill_start`: how many
+    prompt tokens its prefill reused, known once the first token is out."""
     from .detok import IncrementalDetokenizer
 
     stats = StreamStats(prompt_tokens=prompt_tokens)
@@ -248,7 +271,9 @@ def decode_stream(tokens: Iterator[int], *, prompt_tokens: int, sampling: Sampli
                     reason = STOP_EOS
                     break
                 generated += 1
-                yield stats.add(Step([token], detok.add([token])))
+                if generated == 1:
+                    stats.summary.prefill_start = prefill_start()
+                yield stats.add(Step([token], detok.add([token]), row_exact=row_exact))
                 if generated >= sampling.max_tokens:
                     break
                 if prompt_tokens + generated >= context_length:

@@ -217,6 +217,7 @@ def cmd_verify(args) -> int:
     from rich.console import Console
     from rich.markup import escape
 
+    from specchat.compare import mark_and_colour
     from specchat.live import speculation_note
     from specchat.loading import load_backend, messages_for, sampling_of
     from specchat.verify import PromptCheck, check_prompt, summarize
@@ -238,7 +239,8 @@ def cmd_verify(args) -> int:
             request = Request(messages=messages_for(spec_profile, [{"role": "user", "content": item.first}]))
             ref, out, verdict = check_prompt(spec, reference, request, sampling)
             checks.append(PromptCheck(item, ref, out, verdict))
-            mark = {"identical": "[green]✓[/green]", "near-tie": "[yellow]≈[/yellow]"}.get(verdict.kind, "[red]✗[/red]")
+            symbol, colour = mark_and_colour(verdict)
+            mark = f"[{colour}]{symbol}[/{colour}]" if colour else symbol
             note = speculation_note(out)
             console.print(f"{mark} {item.id} " + escape(f"[{item.task}] {verdict.line()}" + (f" · {note}" if note else "")))
     finally:
@@ -252,7 +254,8 @@ def cmd_verify(args) -> int:
                           "strict": strict, **totals, "prompts_checked": [c.as_dict() for c in checks]}))
     else:
         how = {True: " (strict verification)", None: "",
-               False: " (verification not strict: floating-point near-ties may flip a token)"}[strict]
+               False: " (verification not strict: floating-point near-ties may flip a token, and each near-tie is "
+                      "a token the speculative run's own verify row chose)"}[strict]
         print(f"{totals['prompts']} prompts: {totals['identical']} identical, {totals['near_ties']} near-ties, "
               f"{totals['mismatches']} mismatches{how}")
     return EXIT_RUNTIME if totals["mismatches"] else EXIT_OK

@@ -1,10 +1,16 @@
-"""Aligning two replies and judging where they part: the one module behind `specchat verify`
-and the A/B view.
+"""Aligning two replies and judging where they part: the one module behind `specchat verify`,
+the A/B view and the REPL's /verify.
 
-Two runs of the same prompt with the same seed must give the same tokens. When they don't,
-the reference model's own scores at the first differing position tell a floating-point
-near-tie (the two tokens were within `near_tie_margin` of each other, so a batched and a
-single-token kernel can legitimately flip them) from a real mismatch (a bug).
+Two runs of the same prompt with the same seed must give the same tokens. Where they don't:
+- if both runs computed that token with the arithmetic of single-token decoding (strict
+  verification, see backends/native/exact_rows.py), the difference cannot be rounding: it is a
+  **mismatch**, a bug;
+- otherwise the speculative run's own verify row for that token is recomputed
+  (backends/speculative/replay.py): if it chose the speculative token, a multi-row pass rounded a
+  **near-tie** the other way; if it did not, the speculative code emitted a token its verification
+  never chose: a mismatch;
+- where no row can be recomputed (a remote server), the reference's own scores decide: a gap
+  within `near_tie_margin` is a near-tie, anything wider a mismatch; without scores, a mismatch.
 """
 from __future__ import annotations
 
@@ -18,8 +24,9 @@ NEAR_TIE = "near-tie"
 MISMATCH = "mismatch"
 
 # Largest score gap (logits, or tempered logits plus the position's Gumbel noise when sampling)
-# that we still attribute to arithmetic rather than to a bug, by the reference's dtype. bfloat16
-# logits of a ~135M model sit around 16-32, where one bfloat16 step is 0.125: two steps.
+# still attributed to arithmetic rather than to a bug where no verify row can be recomputed, by
+# the reference's dtype (chosen from measured near-tie and planted-bug margins:
+# scripts/near_tie_margins.py, docs/results.md).
 NEAR_TIE_MARGIN = {"float32": 1e-3, "float16": 0.05, "bfloat16": 0.25, "default": 0.25}
 
 
@@ -45,48 +52,107 @@ class Verdict:
     margin: Optional[float] = None  # reference score of its token minus that of the other's
     compared: int = 0  # tokens compared
     by: str = "tokens"  # tokens | text
+    ref_score: Optional[float] = None  # the reference's score of its own token, and of the other's
+    other_score: Optional[float] = None
+    strict: Optional[bool] = None  # whether both runs computed the divergent token with single-token arithmetic
+    why: str = ""  # the arithmetic behind the judgement, in words
+    complete: bool = True  # both replies ran to their own end (False: one was cancelled)
 
     @property
     def ok(self) -> bool:
         return self.kind != MISMATCH
 
+    @property
+    def clean(self) -> bool:
+        """Identical in every compared token, and both replies ended the same way."""
+        return self.kind == IDENTICAL and self.complete
+
     def line(self) -> str:
         if self.kind == IDENTICAL:
+            if not self.complete:
+                return f"identical for the {self.compared} {self.by} both produced (a reply was stopped)"
             return f"identical ({self.compared} {self.by})"
         where = f"{'token' if self.by == 'tokens' else 'character'} {self.index}"
         margin = f", margin {self.margin:.2e}" if self.margin is not None else ""
-        return f"{self.kind} at {where}{margin}: {self.ref_text!r} (reference) vs {self.other_text!r}"
+        ref, other = repr(self.ref_text), repr(self.other_text)
+        if self.ref_score is not None and self.other_score is not None:
+            ref, other = f"{ref} ({self.ref_score:.4f})", f"{other} ({self.other_score:.4f})"
+        line = f"{self.kind} at {where}{margin}: {ref} (reference) vs {other}"
+        return line + (f" · {self.why}" if self.why else "")
 
     def as_dict(self) -> dict:
         return {"verdict": self.kind, "index": self.index, "reference_token": self.ref_text,
-                "other_token": self.other_text, "margin": self.margin, "compared": self.compared, "by": self.by}
+                "other_token": self.other_text, "margin": self.margin, "reference_score": self.ref_score,
+                "other_score": self.other_score, "strict": self.strict, "why": self.why,
+                "complete": self.complete, "compared": self.compared, "by": self.by}
+
+
+def mark_and_colour(v: Verdict) -> tuple[str, str]:
+    """How every front end shows a verdict: green only when every compared token was equal and both
+    replies ended the same way; identical up to a stop plain; a near-tie (possible only without
+    strict verification) yellow; a mismatch red."""
+    if v.kind == IDENTICAL:
+        return "✔", "green" if v.clean else ""
+    return ("≈", "yellow") if v.kind == NEAR_TIE else ("✘", "red")
 
 
 def judge_tokens(ref_ids: Sequence[int], other_ids: Sequence[int],
                  decode: Callable[[Sequence[int]], str],
                  margin_at: Optional[Callable[[int, int, int], float]] = None,
                  tie_margin: float = NEAR_TIE_MARGIN["default"],
-                 stops: Optional[tuple[str, str]] = None) -> Verdict:
-    """Compare two token-id replies.
+                 stops: Optional[tuple[str, str]] = None,
+                 scores_at: Optional[Callable[[int, int, int], tuple[float, float]]] = None,
+                 strict_until: int = 0, not_strict: str = "",
+                 row_choice: Optional[Callable[[int], Optional[int]]] = None) -> Verdict:
+    """Compare two token-id replies (see the module docstring for the rules).
 
-    `margin_at(index, ref_token, other_token)` returns the reference's score gap at that
-    position; without it every divergence counts as a mismatch (we never assume a tie).
-    `stops`: both replies' stop reasons, when both ran under the same sampling settings; then
-    ending differently (one reply longer, or eos against max tokens) is a mismatch unless one
-    of them was cancelled. Without it, a reply that stopped earlier is only a shorter reply."""
+    `scores_at(index, ref_token, other_token)` gives the reference's scores of both tokens there
+    (or `margin_at`, their difference); without either a divergence that no recomputed row
+    explains is a mismatch (a tie is never assumed). `strict_until`: how many leading tokens
+    both runs computed with single-token arithmetic; `not_strict`: what the arithmetic was past
+    that, in words. `row_choice(index)`: the token the other run's own verify row chooses there,
+    recomputed (None where it cannot be). `stops`: both replies' stop reasons, when both ran
+    under the same sampling settings; then ending differently (one reply longer, or eos against
+    max tokens) is a mismatch unless one of them was cancelled. Without it, a reply that stopped
+    earlier is only a shorter reply."""
     compared = min(len(ref_ids), len(other_ids))
+    cancelled = stops is not None and STOP_CANCELLED in stops
     i = first_divergence(ref_ids, other_ids)
     if i is None:
-        ended_apart = stops is not None and STOP_CANCELLED not in stops and (
-            len(ref_ids) != len(other_ids) or stops[0] != stops[1])
+        ended_apart = stops is not None and not cancelled and (len(ref_ids) != len(other_ids) or stops[0] != stops[1])
         if not ended_apart:
-            return Verdict(IDENTICAL, compared=compared)
+            return Verdict(IDENTICAL, compared=compared,
+                           complete=not cancelled and (stops is not None or len(ref_ids) == len(other_ids)))
         return Verdict(MISMATCH, compared, _end_text(ref_ids, compared, stops[0], decode),
-                       _end_text(other_ids, compared, stops[1], decode), None, compared)
+                       _end_text(other_ids, compared, stops[1], decode), None, compared, strict=compared < strict_until,
+                       why="the replies end differently")
     a, b = ref_ids[i], other_ids[i]
-    margin = margin_at(i, a, b) if margin_at else None
-    kind = NEAR_TIE if margin is not None and abs(margin) <= tie_margin else MISMATCH
-    return Verdict(kind, i, decode([a]), decode([b]), margin, compared)
+    ref_score = other_score = None
+    if scores_at is not None:
+        ref_score, other_score = scores_at(i, a, b)
+        margin = ref_score - other_score
+    else:
+        margin = margin_at(i, a, b) if margin_at else None
+    v = Verdict(MISMATCH, i, decode([a]), decode([b]), margin, compared, ref_score=ref_score, other_score=other_score,
+                strict=i < strict_until, complete=not cancelled)
+    choice = row_choice(i) if row_choice is not None else None
+    if v.strict:
+        v.why = "strict: both runs computed this token with single-token arithmetic, so no rounding can part them"
+        if choice == b:
+            v.why += " (the speculative verify row itself chose it: its pass was not row-exact)"
+    elif choice is not None:
+        if choice == b:
+            v.kind = NEAR_TIE
+            v.why = f"not strict: {not_strict}; the speculative run's own verify row chose {decode([b])!r}"
+        else:
+            v.why = (f"the speculative run's own verify row chose {decode([choice])!r}, not the {decode([b])!r} "
+                     "it emitted")
+    elif margin is not None and abs(margin) <= tie_margin:
+        v.kind = NEAR_TIE
+        v.why = f"not strict{': ' + not_strict if not_strict else ''}; within the near-tie margin {tie_margin:g}"
+    elif margin is not None:
+        v.why = f"the gap is wider than the near-tie margin {tie_margin:g}"
+    return v
 
 
 def _end_text(ids: Sequence[int], i: int, stop: str, decode: Callable[[Sequence[int]], str]) -> str:
@@ -97,5 +163,5 @@ def judge_text(ref: str, other: str) -> Verdict:
     """Fallback for backends that return no token ids (e.g. a remote server without logprobs)."""
     i = first_divergence(ref, other)
     if i is None:
-        return Verdict(IDENTICAL, compared=min(len(ref), len(other)), by="text")
+        return Verdict(IDENTICAL, compared=min(len(ref), len(other)), by="text", complete=len(ref) == len(other))
     return Verdict(MISMATCH, i, ref[i:i + 12], other[i:i + 12], None, min(len(ref), len(other)), by="text")

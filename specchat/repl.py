@@ -194,7 +194,8 @@ class Repl:
         tie = (tie_margin_of(ref_backend) if torch_engine_of(ref_backend) is not None
                else near_tie_margin(self.ref_profile.dtype))
         ref.text = ref.text or ref_text
-        v = judge_replies(ref_backend, request, ref, spec, loading.sampling_of(self.profile), tie)
+        v = judge_replies(ref_backend, request, ref, spec, loading.sampling_of(self.profile), tie,
+                          other_backend=self.backend)
         line = f"verdict: {v.line()}"
         if spec.decode_tok_s and ref.decode_tok_s:
             line += f" · speed-up ×{spec.decode_tok_s / ref.decode_tok_s:.2f}"

@@ -1,6 +1,6 @@
 """`specchat verify`: run each prompt target-only and speculatively with the same seed and say,
-per prompt, identical or where they first differ and whether that was a floating-point
-near-tie or a real mismatch."""
+per prompt, identical or where they first differ, and whether that was a floating-point near-tie
+(possible only where verification was not strict) or a real mismatch (see compare.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,17 +39,26 @@ def reference_scores(engine, prompt: Sequence[int], reply: Sequence[int], sampli
     return (sampler.filtered_logits(logits[-1:], sampling) + noise)[0]
 
 
-def margin_function(reference: Backend, prompt: Sequence[int], ref_ids: Sequence[int],
-                    sampling: Sampling) -> Optional[Callable[[int, int, int], float]]:
+def scores_function(reference: Backend, prompt: Sequence[int], ref_ids: Sequence[int],
+                    sampling: Sampling) -> Optional[Callable[[int, int, int], tuple[float, float]]]:
     engine = torch_engine_of(reference)
     if engine is None:
         return None
 
-    def margin_at(i: int, a: int, b: int) -> float:
+    def scores_at(i: int, a: int, b: int) -> tuple[float, float]:
         scores = reference_scores(engine, prompt, ref_ids[:i], sampling)
-        return float(scores[a] - scores[b])
+        return float(scores[a]), float(scores[b])
 
-    return margin_at
+    return scores_at
+
+
+def margin_function(reference: Backend, prompt: Sequence[int], ref_ids: Sequence[int],
+                    sampling: Sampling) -> Optional[Callable[[int, int, int], float]]:
+    """The reference's score gap between two tokens at a position (for margin-only judgements)."""
+    scores_at = scores_function(reference, prompt, ref_ids, sampling)
+    if scores_at is None:
+        return None
+    return lambda i, a, b: (lambda s: s[0] - s[1])(scores_at(i, a, b))
 
 
 def fresh(backend: Backend) -> Backend:
@@ -67,6 +76,52 @@ def tie_margin_of(backend: Backend) -> float:
 
 
 @dataclass
+class Arithmetic:
+    """How far two runs' arithmetic is the same by construction, and what it was beyond."""
+
+    exact_until: int  # leading reply tokens both computed with single-token arithmetic
+    beyond: str  # in words: why the rest is not strict
+
+
+def arithmetic_key(engine) -> tuple:
+    """What decides an engine's arithmetic: its weights and settings (not where it caches files)."""
+    return engine.model_path.resolve(), {k: v for k, v in engine.settings.items() if k != "cache_dir"}
+
+
+def shared_arithmetic(reference: Backend, other: Backend, ref: Summary, out: Summary) -> Arithmetic:
+    """Both runs compute token i with the same arithmetic when both ran the same engine settings,
+    both prefilled the whole prompt, and every pass up to token i computed each of its rows as
+    a single-token pass does (Summary.exact_tokens)."""
+    ref_engine, other_engine = torch_engine_of(reference), torch_engine_of(other)
+    if ref_engine is None or other_engine is None:
+        return Arithmetic(0, "a backend that does not say how it computed its tokens")
+    if ref_engine is not other_engine and arithmetic_key(ref_engine) != arithmetic_key(other_engine):
+        return Arithmetic(0, "the reference runs another engine or other settings")
+    if ref.prefill_start != 0 or out.prefill_start != 0:
+        return Arithmetic(0, f"a prefill reused {max(ref.prefill_start or 0, out.prefill_start or 0)} cached tokens")
+    until = min(ref.exact_tokens or 0, out.exact_tokens or 0)
+    return Arithmetic(until, f"{other_engine.precision} rows of multi-row verify blocks (strict: false)")
+
+
+def row_choice_function(backend: Backend, prompt: Sequence[int], out: Summary,
+                        sampling: Sampling) -> Optional[Callable[[int], Optional[int]]]:
+    """The speculative run's own verify row at a token, recomputed, where that can be done: a
+    torch speculative backend with exact acceptance whose run prefilled the whole prompt."""
+    from specchat.backends.speculative.backend import SpeculativeBackend
+    from specchat.backends.speculative.replay import verify_row_choice
+
+    if not isinstance(backend, SpeculativeBackend) or out.prefill_start != 0 or not out.token_ids:
+        return None
+    if backend.acceptance == "rejection" and not sampling.greedy:
+        return None  # rejection sampling is lossless in distribution, not seed-identical: no row decides alone
+
+    def choice(i: int) -> Optional[int]:
+        return verify_row_choice(backend.target, prompt, out.token_ids, out.pass_log, i, sampling, backend.strict)
+
+    return choice
+
+
+@dataclass
 class PromptCheck:
     prompt: PromptItem
     reference: Summary
@@ -80,24 +135,30 @@ class PromptCheck:
 
 
 def judge_replies(reference: Backend, request: Request, ref: Summary, other: Summary, sampling: Sampling,
-                  tie_margin: Optional[float] = None) -> Verdict:
+                  tie_margin: Optional[float] = None, other_backend: Optional[Backend] = None) -> Verdict:
     """Align by token ids where both replies carry them, by text otherwise (a remote server that
-    returns no ids). Only a torch reference can score a divergence, so only it is asked for the
-    prompt's ids."""
+    returns no ids). `other_backend`: the backend that produced `other`, which lets its verify
+    rows be recomputed and tells whether both runs shared their arithmetic."""
     if not (ref.token_ids and other.token_ids):
         return judge_text(ref.text, other.text)
-    margin_at = None
-    if torch_engine_of(reference) is not None:
-        margin_at = margin_function(reference, reference.prompt_ids(request), ref.token_ids, sampling)
-    return judge_tokens(ref.token_ids, other.token_ids, reference.detokenize, margin_at,
-                        tie_margin if tie_margin is not None else tie_margin_of(reference),
-                        stops=(ref.stop_reason, other.stop_reason))
+    prompt = reference.prompt_ids(request) if torch_engine_of(reference) is not None else []
+    scores_at = scores_function(reference, prompt, ref.token_ids, sampling) if prompt else None
+    arithmetic = Arithmetic(0, "")
+    row_choice = None
+    if other_backend is not None:
+        arithmetic = shared_arithmetic(reference, other_backend, ref, other)
+        if prompt:
+            row_choice = row_choice_function(other_backend, prompt, other, sampling)
+    return judge_tokens(ref.token_ids, other.token_ids, reference.detokenize,
+                        tie_margin=tie_margin if tie_margin is not None else tie_margin_of(reference),
+                        stops=(ref.stop_reason, other.stop_reason), scores_at=scores_at,
+                        strict_until=arithmetic.exact_until, not_strict=arithmetic.beyond, row_choice=row_choice)
 
 
 def check_prompt(spec: Backend, reference: Backend, request: Request, sampling: Sampling) -> tuple[Summary, Summary, Verdict]:
     ref = run_to_summary(fresh(reference).stream(request, sampling))
     out = run_to_summary(fresh(spec).stream(request, sampling))
-    return ref, out, judge_replies(reference, request, ref, out, sampling)
+    return ref, out, judge_replies(reference, request, ref, out, sampling, other_backend=spec)
 
 
 def summarize(checks: list[PromptCheck]) -> dict:

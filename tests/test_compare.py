@@ -39,3 +39,33 @@ def test_text_alignment_for_servers_without_token_ids():
     assert judge_text("hello world", "hello world").kind == IDENTICAL
     v = judge_text("hello world", "hello there")
     assert v.kind == MISMATCH and v.index == 6 and v.by == "text"
+
+
+def test_under_strict_verification_every_divergence_is_a_mismatch():
+    """Strict: both runs computed the token with single-token arithmetic, so even a gap far inside
+    the near-tie margin is a bug, and the verdict says why."""
+    tiny_gap = lambda i, a, b: (10.0, 10.0 - 1e-6)  # noqa: E731
+    v = judge_tokens([1, 2, 3], [1, 2, 5], decode, scores_at=tiny_gap, tie_margin=0.25, strict_until=3)
+    assert v.kind == MISMATCH and v.strict and "strict" in v.why
+    assert "(10.0000)" in v.line() and "(10.0000)" in v.line().split("vs")[1]  # both scores shown
+    # past the strict prefix the same gap is a near-tie, and says which arithmetic it was
+    v = judge_tokens([1, 2, 3], [1, 2, 5], decode, scores_at=tiny_gap, tie_margin=0.25, strict_until=2,
+                     not_strict="float32 rows of multi-row verify blocks")
+    assert v.kind == NEAR_TIE and not v.strict and "not strict: float32 rows" in v.why
+
+
+def test_a_recomputed_verify_row_decides_over_any_margin():
+    """The speculative run's own verify row: it chose the emitted token (a flip, even with a wide
+    gap) or it did not (a bug, even with a tiny one)."""
+    wide = lambda i, a, b: 4.0  # noqa: E731
+    v = judge_tokens([1, 2, 3], [1, 2, 5], decode, wide, tie_margin=0.25, row_choice=lambda i: 5)
+    assert v.kind == NEAR_TIE and "own verify row chose 'f'" in v.why
+    tiny = lambda i, a, b: 1e-7  # noqa: E731
+    v = judge_tokens([1, 2, 3], [1, 2, 5], decode, tiny, tie_margin=0.25, row_choice=lambda i: 3)
+    assert v.kind == MISMATCH and "chose 'd', not the 'f' it emitted" in v.why
+
+
+def test_identical_is_clean_only_when_both_replies_ended_alike():
+    assert judge_tokens([1, 2, 3], [1, 2, 3], decode, stops=("eos", "eos")).clean
+    v = judge_tokens([1, 2, 3], [1, 2], decode, stops=("eos", "cancelled"))
+    assert v.kind == IDENTICAL and not v.clean and "stopped" in v.line()

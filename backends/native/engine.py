@@ -76,8 +76,8 @@ class TorchBackend(Backend):
         `threads`: 0 for every physical core; `context`: the KV cache's positions (at most the
         model's own limit); `compile`: torch.compile the decode passes; `cache_dir`: where files
         derived from a GGUF (its tokenizer, its tensor index) are kept between loads."""
-        path = Path(model_path)
-        # what a drafter model loaded beside this target is loaded with (see speculative/methods.py)
+        path = self.model_path = Path(model_path)
+        # what a drafter model loaded beside this target is loaded with (speculative/backend.py)
         self.settings = dict(precision=precision, device=device, threads=threads, context=context,
                              compile=compile, cache_dir=cache_dir)
         if kind == "auto":
@@ -230,9 +230,11 @@ class TorchBackend(Backend):
     def stream(self, request: Request, sampling: Sampling,
                cancel: threading.Event | None = None) -> Iterator[Event]:
         prompt = self.checked_prompt(request)
+        reused: list[int] = []
 
         def tokens() -> Iterator[int]:
-            state = self.prefill(prompt, head=False)
+            state, _, start = self.prefill_with_hidden(prompt, head=False)
+            reused.append(start)
             pos = len(prompt)  # position of the token being chosen
             while True:
                 token = int(self.choose(state, [pos], sampling)[0])
@@ -240,8 +242,10 @@ class TorchBackend(Backend):
                 state, _ = self.forward([token], pos, all_logits=False, head=False)
                 pos += 1
 
+        # every pass is a prefill (as the reference computes it) or a single-token pass
         return decode_stream(tokens(), prompt_tokens=len(prompt), sampling=sampling, context_length=self._context,
-                             is_eos=self.eos_ids.__contains__, detokenize=self.detokenize, cancel=cancel)
+                             is_eos=self.eos_ids.__contains__, detokenize=self.detokenize, cancel=cancel,
+                             row_exact=True, prefill_start=lambda: reused[0])
 
     def close(self) -> None:
         self.model = None

@@ -134,32 +134,33 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
     """`strict`: verify blocks with the arithmetic of single-token decoding, row by row
     (the engine's row-exact passes), so that not even a floating-point near-tie can flip a token.
     `gate`: draft from a source only while its passes are faster than plain ones (gate.py)."""
-    stats = StreamStats(prompt_tokens=len(prompt))
     depth = drafter.plan_depth(depth)
     detok = IncrementalDetokenizer(target.detokenize)
     layers = drafter.hidden_layers
     drafter.paused = frozenset()  # no source sits out unless the gate says so
     use_rejection = acceptance == "rejection" and not sampling.greedy
+    # Prefill: reuse the cached prefix unless the drafter needs hidden states of every prompt position.
+    start = 0 if layers else min(common_prefix(target.cached, prompt), len(prompt) - 1)
+    stats = StreamStats(prompt_tokens=len(prompt), prefill_start=start)
     if cancel is not None and cancel.is_set():  # as target-only decoding: nothing is run
         yield stats.finish(STOP_CANCELLED, "")
         return
 
-    # Prefill: reuse the cached prefix unless the drafter needs hidden states of every prompt position.
-    start = 0 if layers else min(common_prefix(target.cached, prompt), len(prompt) - 1)
     state, hidden = target.forward(prompt[start:], start, layers, all_logits=False, head=False)
     first = int(target.choose(state[-1:], [len(prompt)], sampling)[0])
     tokens = list(prompt) + [first]
     drafter.start(prompt, hidden, sampling)
 
-    def emit(new: list[int], drafted: int, accepted: int) -> tuple[Optional[Step], bool]:
+    def emit(new: list[int], draft: list[int], accepted: int, row_exact: bool) -> tuple[Optional[Step], bool]:
         """The pass's tokens up to any end-of-sequence token; a pass that only ends the reply
         is not counted, as in target-only decoding."""
         cut = next((i for i, t in enumerate(new) if t in target.eos_ids), None)
         kept = new if cut is None else new[:cut]
-        step = stats.add(Step(kept, detok.add(kept), drafted, min(accepted, len(kept)))) if kept else None
+        step = stats.add(Step(kept, detok.add(kept), len(draft), min(accepted, len(kept)), draft=list(draft),
+                              row_exact=row_exact)) if kept else None
         return step, cut is not None
 
-    step, hit_eos = emit([first], 0, 0)
+    step, hit_eos = emit([first], [], 0, True)
     if hit_eos:
         yield stats.finish(STOP_EOS, detok.flush())
         return
@@ -203,7 +204,8 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
         drafter.commit(tokens, {layer: h[:verdict.accepted + 1] for layer, h in hidden.items()})
         if gate is not None:
             gate.record((draft.source or drafter.name) if d else None, len(new), time.perf_counter() - started)
-        step, hit_eos = emit(new, len(d), verdict.accepted)
+        # a block of one row is a single-token pass; more rows are one only with strict verification
+        step, hit_eos = emit(new, d, verdict.accepted, strict or not d)
         if step is not None:
             yield step
         if hit_eos:

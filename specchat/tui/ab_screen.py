@@ -22,7 +22,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, Sparkline, Static
 
 from specchat.backends.base import Backend, BackendError, Request, Summary
-from specchat.compare import IDENTICAL, Verdict, near_tie_margin
+from specchat.compare import IDENTICAL, Verdict, mark_and_colour, near_tie_margin
 from specchat.live import Failed, Item, LiveStats, one_line, format_rate, pump, speculation_figures
 from specchat.loading import messages_for, sampling_of
 from specchat.profiles import Profile, ProfileError, load_profiles
@@ -342,7 +342,7 @@ class ABScreen(Screen):
         spec_req, ref_req, sampling = self.requests
         backend = self.ref_backend
         tie = tie_margin_of(backend) if torch_engine_of(backend) is not None else near_tie_margin(self.ref_profile.dtype)
-        return judge_replies(backend, ref_req, ref, spec, sampling, tie)
+        return judge_replies(backend, ref_req, ref, spec, sampling, tie, other_backend=self.spec_backend)
 
     @staticmethod
     def _char_offset(backend: Backend, pane: ABPane, v: Verdict) -> int:
@@ -362,9 +362,8 @@ class ABScreen(Screen):
     def show_verdict(self) -> None:
         v = self.verdict
         spec, ref = self.panes["spec"].summary, self.panes["ref"].summary
-        ok = v.kind == IDENTICAL
-        parts = [("✔ " if ok else "✘ ") + v.line(), "bold green" if ok else ("bold yellow" if v.ok else "bold red")]
-        items = [tuple(parts)]
+        mark, colour = mark_and_colour(v)
+        items = [(f"{mark} {v.line()}", f"bold {colour}".strip())]
         if spec.decode_tok_s and ref.decode_tok_s:
             items.append(f"  │ speed-up ×{spec.decode_tok_s / ref.decode_tok_s:.2f} (decode tok/s "
                          f"{spec.decode_tok_s:.1f} vs {ref.decode_tok_s:.1f})")

@@ -25,8 +25,8 @@ LOOP_BUGS = {
         ("target.forward([tokens[-1]] + d, n - 1, layers, row_exact=strict, head=False)",
          "target.forward([tokens[-1]] + d, len(target.cached), layers, row_exact=strict, head=False)")],
     "bonus token dropped": [
-        ("step, hit_eos = emit(new, len(d), verdict.accepted)",
-         "step, hit_eos = emit(new[:-1] if d and verdict.accepted == len(d) else new, len(d), verdict.accepted)")],
+        ("step, hit_eos = emit(new, d, verdict.accepted, strict or not d)",
+         "step, hit_eos = emit(new[:-1] if d and verdict.accepted == len(d) else new, d, verdict.accepted, strict or not d)")],
     "target verified at the wrong positions": [
         ("positions = list(range(n, n + len(d) + 1))", "positions = list(range(n + 1, n + len(d) + 2))")],
 }
@@ -86,3 +86,56 @@ def test_drafter_bugs_cannot_change_output_but_the_bookkeeping_check_sees_them(b
     _, out, verdict = check_prompt(spec, target, Request(messages=PROMPTS[0]), sampling)
     assert verdict.kind == "identical"  # exact acceptance: a drafter only proposes
     assert out.acceptance_rate < 1.0  # self-drafting must accept everything; this one does not
+
+
+def accept_one_too_many(draft, target_choice):
+    """`accept_exact` with the bug a sceptical user planted: after a match of 2 or more, the first
+    rejected draft is kept too."""
+    from specchat.backends.speculative.acceptance import Verdict
+
+    n = 0
+    while n < len(draft) and draft[n] == target_choice[n]:
+        n += 1
+    if 2 <= n < len(draft):
+        return Verdict(n + 1, int(target_choice[n + 1]))
+    return Verdict(n, int(target_choice[n]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # three real-model verify runs; on a busy 2-core machine past the default
+@pytest.mark.parametrize("strict", ["true", "false"])
+def test_verify_reports_an_acceptance_bug_as_a_mismatch_strict_or_not(strict, default_gguf, tmp_path, capsys,
+                                                                      monkeypatch):
+    """`specchat verify -p smollm2-ngram` exits 1 with a mismatch, never a near-tie: under strict
+    verification any difference is a bug, and without it the speculative run's own verify row did
+    not choose the token the bug emitted."""
+    import json
+
+    from specchat import cli
+
+    from tests.test_prompts import SPEC_BENCH
+
+    if not SPEC_BENCH.exists():
+        pytest.skip(f"{SPEC_BENCH}: Spec-Bench's prompts are not on this machine")
+    # a translation and a summarization prompt on which the bug fires within 56 tokens (token 42 and 15)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(line + "\n" for line in SPEC_BENCH.read_text().splitlines()
+                               if json.loads(line)["question_id"] in (162, 241)))
+    args = ["verify", "-p", "smollm2-ngram", "--prompts", str(prompts), "--max-tokens", "56", "--json",
+            "--set", f"speculative.strict={strict}"]
+
+    def run() -> tuple[int, dict]:
+        code = cli.main(args)
+        return code, json.loads(capsys.readouterr().out)
+
+    clean = run()[1] if strict == "false" else None  # the real near-ties of this arithmetic
+    monkeypatch.setattr(loop_module, "accept_exact", accept_one_too_many)
+    code, out = run()
+    assert code == 1 and out["mismatches"] >= 1 and out["strict"] is (strict == "true")
+    mismatch = next(c for c in out["prompts_checked"] if c["verdict"] == "mismatch")
+    if strict == "true":
+        assert out["near_ties"] == 0 and mismatch["strict"]
+    else:  # a near-tie is only ever one the unplanted loop meets too, where the run's own row chose the token
+        assert "own verify row chose" in mismatch["why"] and clean["mismatches"] == 0
+        ties = {(c["id"], c["index"]) for c in clean["prompts_checked"] if c["verdict"] == "near-tie"}
+        assert all((c["id"], c["index"]) in ties for c in out["prompts_checked"] if c["verdict"] == "near-tie")

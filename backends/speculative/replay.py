@@ -1,0 +1,40 @@
+"""The speculative run's own verify row, recomputed: what tells a floating-point flip from a bug.
+
+When a speculative reply parts from its target-only reference at token i, either the arithmetic
+of a multi-row verify pass rounded a near-tie the other way (its own verify row chose the
+speculative token: a flip, possible only where verification is not strict), or the speculative
+code emitted a token its verify row did not choose (a bug). `verify_row_choice` replays the run
+on the target, independently of the loop: the same prefill, then every verify block at its
+position with the drafts it verified, in the same arithmetic, each time keeping only what the
+run emitted, up to the pass that emitted token i; and returns the token that row chooses.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..base import Sampling
+
+
+def verify_row_choice(target, prompt: Sequence[int], reply: Sequence[int], pass_log: Sequence[tuple[list[int], int]],
+                      index: int, sampling: Sampling, row_exact: bool) -> int:
+    """The token the row that emitted reply[index] chooses, recomputed on `target` (a TorchBackend
+    whose cache this empties). `pass_log`: the run's (drafts, tokens emitted) per pass, the first
+    being its prefill, which must have computed the whole prompt (Summary.prefill_start == 0);
+    `row_exact`: whether its verify passes were row-exact (strict verification)."""
+    if not 0 <= index < sum(n for _, n in pass_log):
+        raise ValueError(f"token {index} is not in a reply of {sum(n for _, n in pass_log)} tokens")
+    target.truncate(0)
+    state, _ = target.forward(list(prompt), 0, all_logits=False, head=False)
+    if index == 0:
+        return int(target.choose(state[-1:], [len(prompt)], sampling)[0])
+    emitted = pass_log[0][1]
+    for draft, count in pass_log[1:]:
+        n = len(prompt) + emitted  # the committed tokens before this pass; the last one opens the block
+        last = reply[emitted - 1]
+        states, _ = target.forward([last] + list(draft), n - 1, row_exact=row_exact, head=False)
+        if index < emitted + count:
+            row = index - emitted
+            return int(target.choose(states[row:row + 1], [n + row], sampling)[0])
+        emitted += count
+        target.truncate(n + count - 1)  # the cache holds every committed token but the last
+    raise AssertionError("unreachable: the index lies in the reply")

@@ -1,0 +1,126 @@
+"""Where the near-tie margin comes from: the score gaps at which real floating-point flips and
+planted bugs make a speculative reply part from target-only decoding.
+
+    python scripts/near_tie_margins.py [--limit 12] [--max-tokens 96] [--out runs/near-tie-margins.jsonl]
+
+For each target precision (int4, bfloat16, float32; the default model) and sampling mode (greedy,
+temperature 0.7), `smollm2-ngram` runs without strict verification over Spec-Bench prompts, as
+`specchat verify` does. Every divergence is classified by recomputing the speculative run's own
+verify row (a flip when it chose the speculative token: a real near-tie) and its margin recorded
+(the reference's score of its token minus that of the other). Then the same runs with the loop
+bugs of tests/speculative/test_planted_bugs.py planted, whose divergences the recomputed rows call
+bugs. The margin rule (compare.NEAR_TIE_MARGIN), used only where no row can be recomputed (a
+remote server judged against a local reference), calls a divergence a near-tie when its margin
+is at most the threshold: a planted bug within it is a false negative, a real near-tie beyond it
+a false positive. Prints both rates for candidate thresholds, per precision, as Markdown.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec-bench" / "question.jsonl"
+PRECISIONS = ("int4", "bfloat16", "float32")
+SAMPLINGS = {"greedy": {}, "t0.7": {"temperature": 0.7, "seed": 1}}
+THRESHOLDS = (1e-4, 1e-3, 1e-2, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def divergences(profile, prompts, bug: str | None) -> list[dict]:
+    """One record per prompt that parted from its reference: kind, margin, where."""
+    from specchat.backends.base import Request
+    from specchat.loading import load_backend, messages_for, sampling_of
+    from specchat.verify import check_prompt
+
+    spec = load_backend(profile)
+    records = []
+    try:
+        for item in prompts:
+            request = Request(messages=messages_for(profile, [{"role": "user", "content": item.first}]))
+            _, _, v = check_prompt(spec, spec.target, request, sampling_of(profile))
+            if v.index is not None and v.margin is not None:
+                records.append({"prompt": item.id, "task": item.task, "index": v.index, "kind": v.kind,
+                                "margin": v.margin, "bug": bug})
+    finally:
+        spec.close()
+    return records
+
+
+def planted(bug: str):
+    """The loop module's speculative_stream with `bug` planted (None: as it is)."""
+    sys.path.insert(0, str(ROOT))
+    from specchat.backends.speculative import backend as backend_module
+    from specchat.backends.speculative import loop as loop_module
+    from tests.speculative.test_planted_bugs import LOOP_BUGS, accept_one_too_many, mutate
+
+    original = backend_module.speculative_stream, loop_module.accept_exact
+    if bug == "accept one draft too many":
+        loop_module.accept_exact = accept_one_too_many
+    else:
+        backend_module.speculative_stream = mutate(loop_module, LOOP_BUGS[bug]).speculative_stream
+
+    def undo():
+        backend_module.speculative_stream, loop_module.accept_exact = original
+    return undo
+
+
+def rates(real: list[float], bugs: list[float]) -> list[tuple[float, float, float]]:
+    """(threshold, false-negative rate among bug divergences, false-positive rate among real near-ties)."""
+    return [(t, sum(m <= t for m in bugs) / len(bugs) if bugs else float("nan"),
+             sum(m > t for m in real) / len(real) if real else float("nan")) for t in THRESHOLDS]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--out", default=str(ROOT / "runs" / "near-tie-margins.jsonl"))
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(ROOT))
+    from specchat.profiles import get_profile
+    from specchat.prompts import load_prompts
+    from tests.speculative.test_planted_bugs import LOOP_BUGS
+
+    prompts = load_prompts(SPEC_BENCH, args.limit)
+    bugs = ["accept one draft too many", *sorted(LOOP_BUGS)]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    records = []
+    for precision in PRECISIONS:
+        for mode, sampling in SAMPLINGS.items():
+            settings = {"dtype": precision, "speculative.strict": False, "sampling.max_tokens": args.max_tokens}
+            settings |= {f"sampling.{k}": v for k, v in sampling.items()}
+            profile = get_profile("smollm2-ngram").with_overrides(settings)
+            for bug in [None, *bugs]:
+                undo = planted(bug) if bug else (lambda: None)
+                try:
+                    found = divergences(profile, prompts, bug)
+                finally:
+                    undo()
+                for r in found:
+                    r |= {"precision": precision, "sampling": mode}
+                records += found
+                print(f"{precision} {mode} {bug or 'no bug'}: {len(found)} divergences "
+                      f"({sum(r['kind'] == 'near-tie' for r in found)} real near-ties)", file=sys.stderr, flush=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    print(f"{len(prompts)} Spec-Bench prompts x {args.max_tokens} tokens, smollm2-ngram not strict; "
+          "|margin| in the reference's score units (logits, or tempered logits + noise)\n")
+    print("| precision | real near-ties | their largest margin | bug divergences | their smallest margin | "
+          + " | ".join(f"FN / FP at {t:g}" for t in THRESHOLDS) + " |")
+    print("|---" * (5 + len(THRESHOLDS)) + "|")
+    for precision in PRECISIONS:
+        mine = [r for r in records if r["precision"] == precision]
+        real = [abs(r["margin"]) for r in mine if r["kind"] == "near-tie"]
+        bug = [abs(r["margin"]) for r in mine if r["bug"] and r["kind"] == "mismatch"]
+        cells = " | ".join(f"{fn:.0%} / {fp:.0%}" for _, fn, fp in rates(real, bug))
+        print(f"| {precision} | {len(real)} | {max(real, default=float('nan')):.2e} | {len(bug)} | "
+              f"{min(bug, default=float('nan')):.2e} | {cells} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The speculative run's own verify rows, recomputed independently of the loop, choose exactly
+the tokens a correct run emitted (strict or not, every drafter, greedy and seeded sampling)."""
+import pytest
+
+from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.speculative.backend import SpeculativeBackend
+from specchat.backends.speculative.replay import verify_row_choice
+from specchat.verify import fresh
+from tests.speculative.conftest import PROMPTS, SAMPLINGS, engine
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "mtp+lookup", "dflash"])
+@pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.8"])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_recomputed_rows_choose_what_the_run_emitted(tiny_pair, drafters, method, sampling, precision):
+    target = engine(tiny_pair[0], precision)
+    spec = SpeculativeBackend(target, drafters_for(drafters, method, target, tiny_pair), 4, strict=None)
+    request = Request(messages=PROMPTS[1])
+    out = run_to_summary(fresh(spec).stream(request, sampling))
+    assert out.drafts > 0 and out.prefill_start == 0
+    prompt = target.prompt_ids(request)
+    chosen = [verify_row_choice(target, prompt, out.token_ids, out.pass_log, i, sampling, spec.strict)
+              for i in range(len(out.token_ids))]
+    assert chosen == out.token_ids
+
+
+def drafters_for(drafters, method, target, tiny_pair):
+    """The conftest drafters run on its float32 target; the model-free and draft-model ones suit any."""
+    if method in ("ngram", "draft"):
+        return drafters[method]("exact")
+    from tests.speculative.conftest import mtp_drafter, with_lookup
+    if method == "mtp+lookup":
+        return with_lookup(mtp_drafter(target, tiny_pair[0]))
+    from specchat.backends.speculative.dflash import DFlashDrafter
+    return DFlashDrafter(drafters["dflash"]("exact").model, target)
+
+
+def test_the_strict_flag_says_how_rows_were_computed(tiny_pair, drafters):
+    """Summary.exact_tokens: every token under strict verification, up to the first multi-row
+    pass without it; a target-only run is exact throughout."""
+    sampling = Sampling(max_tokens=30)
+    request = Request(messages=PROMPTS[0])
+    for strict in (True, False):
+        target = engine(tiny_pair[0], "bfloat16")
+        out = run_to_summary(fresh(SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=strict))
+                             .stream(request, sampling))
+        first_block = next(sum(n for _, n in out.pass_log[:j]) for j, (d, _) in enumerate(out.pass_log) if d)
+        assert out.exact_tokens == (out.tokens if strict else first_block)
+        ref = run_to_summary(fresh(target).stream(request, sampling))
+        assert ref.exact_tokens == ref.tokens and ref.prefill_start == 0
