@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specchat.backends.base import (STOP_CANCELLED, STOP_EOS, Backend, Request, Sampling, Step, StreamStats,  # noqa: E402
-                           Summary)
+                                    Summary)
 from specchat.loading import load_backend, messages_for, sampling_of  # noqa: E402
 from specchat.profiles import Profile, load_profiles  # noqa: E402
 

@@ -102,19 +102,19 @@ def judge_tokens(ref_ids: Sequence[int], other_ids: Sequence[int],
                  tie_margin: float = NEAR_TIE_MARGIN["default"],
                  stops: Optional[tuple[str, str]] = None,
                  scores_at: Optional[Callable[[int, int, int], tuple[float, float]]] = None,
-                 strict_until: int = 0, not_strict: str = "",
+                 strict_until: int = 0, not_strict: str | Callable[[int], str] = "",
                  row_choice: Optional[Callable[[int], Optional[int]]] = None) -> Verdict:
     """Compare two token-id replies (see the module docstring for the rules).
 
     `scores_at(index, ref_token, other_token)` gives the reference's scores of both tokens there
     (or `margin_at`, their difference); without either a divergence that no recomputed row
-    explains is a mismatch (a tie is never assumed). `strict_until`: how many leading tokens
-    both runs computed with single-token arithmetic; `not_strict`: what the arithmetic was past
-    that, in words. `row_choice(index)`: the token the other run's own verify row chooses there,
-    recomputed (None where it cannot be). `stops`: both replies' stop reasons, when both ran
-    under the same sampling settings; then ending differently (one reply longer, or eos against
-    max tokens) is a mismatch unless one of them was cancelled. Without it, a reply that stopped
-    earlier is only a shorter reply."""
+    explains is a mismatch (a tie is never assumed). `strict_until`: how many leading tokens both
+    runs computed with single-token arithmetic; `not_strict`: what the arithmetic was past that,
+    in words (or a function of the token's index giving them). `row_choice(index)`: the token the
+    other run's own verify row chooses there, recomputed (None where it cannot be). `stops`: both
+    replies' stop reasons, when both ran under the same sampling settings; then ending
+    differently (one reply longer, or eos against max tokens) is a mismatch unless one of them
+    was cancelled. Without it, a reply that stopped earlier is only a shorter reply."""
     compared = min(len(ref_ids), len(other_ids))
     cancelled = stops is not None and STOP_CANCELLED in stops
     i = first_divergence(ref_ids, other_ids)
@@ -136,6 +136,7 @@ def judge_tokens(ref_ids: Sequence[int], other_ids: Sequence[int],
     v = Verdict(MISMATCH, i, decode([a]), decode([b]), margin, compared, ref_score=ref_score, other_score=other_score,
                 strict=i < strict_until, complete=not cancelled)
     choice = row_choice(i) if row_choice is not None else None
+    not_strict = not_strict(i) if callable(not_strict) else not_strict
     if v.strict:
         v.why = "strict: both runs computed this token with single-token arithmetic, so no rounding can part them"
         if choice == b:

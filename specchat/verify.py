@@ -80,7 +80,17 @@ class Arithmetic:
     """How far two runs' arithmetic is the same by construction, and what it was beyond."""
 
     exact_until: int  # leading reply tokens both computed with single-token arithmetic
-    beyond: str  # in words: why the rest is not strict
+    beyond: str | Callable[[int], str]  # in words, or a function of the token index: why the rest is not strict
+
+
+def verify_block_of(out: Summary, index: int) -> int:
+    """Rows of the verify pass that emitted reply token `index` (1: a single-token pass or the prefill)."""
+    emitted = 0
+    for draft, count in out.pass_log:
+        emitted += count
+        if index < emitted:
+            return len(draft) + 1
+    return 1
 
 
 def arithmetic_key(engine) -> tuple:
@@ -100,7 +110,13 @@ def shared_arithmetic(reference: Backend, other: Backend, ref: Summary, out: Sum
     if ref.prefill_start != 0 or out.prefill_start != 0:
         return Arithmetic(0, f"a prefill reused {max(ref.prefill_start or 0, out.prefill_start or 0)} cached tokens")
     until = min(ref.exact_tokens or 0, out.exact_tokens or 0)
-    return Arithmetic(until, f"{other_engine.precision} rows of multi-row verify blocks (strict: false)")
+
+    def beyond(i: int) -> str:
+        rows = verify_block_of(out, i)
+        where = f"a {rows}-row verify block" if rows > 1 else "a single-token pass after multi-row ones"
+        return f"{other_engine.precision} rows, token {i} from {where} (strict: false)"
+
+    return Arithmetic(until, beyond)
 
 
 def row_choice_function(backend: Backend, prompt: Sequence[int], out: Summary,

@@ -7,7 +7,7 @@ import time
 from typing import Iterator, Sequence
 
 from specchat.backends.base import (STOP_CANCELLED, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendError, Event, Request,
-                           Sampling, Step, StreamStats)
+                                    Sampling, Step, StreamStats)
 
 _VOCAB: dict[str, int] = {}
 _PIECES: dict[int, str] = {}

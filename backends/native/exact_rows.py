@@ -243,4 +243,5 @@ class CompiledRowGraphs:
         every layer's output (one graph serves any choice of layers)."""
         m = self.model
         every = tuple(range(len(m.layers))) if keep_hidden else ()
-        return m.run_layers(x, slice(pos, pos + x.shape[0]), n_keys, None, every, [RowGroup(0, x.shape[0], n_keys, mask)])
+        group = RowGroup(0, x.shape[0], n_keys, mask)
+        return m.run_layers(x, slice(pos, pos + x.shape[0]), n_keys, None, every, [group])

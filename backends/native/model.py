@@ -207,8 +207,9 @@ class Transformer(nn.Module):
             x = self.norm(x if all_logits else x[-1:])
         return (self.logits(x) if head else x), hidden
 
-    def run_layers(self, x: Tensor, write: slice | Tensor, span: int, mask: Tensor | None, hidden_layers: tuple[int, ...],
-                groups: list[RowGroup] | None = None) -> tuple[Tensor, dict[int, Tensor]]:
+    def run_layers(self, x: Tensor, write: slice | Tensor, span: int, mask: Tensor | None,
+                   hidden_layers: tuple[int, ...], groups: list[RowGroup] | None = None
+                   ) -> tuple[Tensor, dict[int, Tensor]]:
         """Every layer over rows x [K, dim] written at `write`; attention over cache[:span] under
         `mask`, or with `groups` each row as its single-token pass computes it."""
         cos, sin = self.rope_cos[write], self.rope_sin[write]

@@ -18,11 +18,11 @@ import time
 from typing import Iterator, Optional, Sequence
 
 from ..base import (STOP_CANCELLED, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendError, Event, Request,
-                           Sampling, Step, StreamStats)
+                    Sampling, Step, StreamStats)
 from .chunks import parse_chunk
 from .http import ServerConnection
 from .metrics import (SpecFigures, VllmCounters, llama_server_figures, sglang_figures,
-                                     vllm_counters, vllm_figures)
+                      vllm_counters, vllm_figures)
 
 METRICS = ("auto", "vllm", "sglang", "llama-server", "none")
 # vLLM updates its counters just after it sends a step's tokens: give the last step time to count.

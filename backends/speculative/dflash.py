@@ -32,7 +32,8 @@ from ..native.layers import RMSNorm, decoder_layer, rope_inv_freq, rope_tables
 from ..native.linear import Linear
 from ..native.model import FINAL
 from ..native.sampling import probs
-from ..native.weights import HF_LAYER_NAMES, build_layer, drafting_head, hf_layer, hf_names, layer_tensors, safetensors_files
+from ..native.weights import (HF_LAYER_NAMES, build_layer, drafting_head, hf_layer, hf_names, layer_tensors,
+                              safetensors_files)
 from .loop import Draft, Drafter
 
 FULL, SLIDING = "full_attention", "sliding_attention"

@@ -20,7 +20,7 @@ from typing import Iterator, Optional, Protocol, Sequence
 import torch
 
 from ..base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Event, Sampling, Step,
-                           StreamStats)
+                    StreamStats)
 from ..detok import IncrementalDetokenizer
 from ..native.sampling import probs
 from .acceptance import accept_exact, accept_rejection

@@ -133,8 +133,9 @@ def evaluate(model, examples: list[Example], cfg: DraftTrainConfig) -> dict:
 
 def retrain_command(profile, data: list[Path], out: Path, shape: DraftShape, cfg: DraftTrainConfig) -> str:
     """The one shell command that makes this drafter again from scratch: data, then training."""
-    return full_command(profile, data, f"specchat train draft --data {' '.join(map(str, data))} --target {profile.name} "
-                        f"--out {out} --layers {shape.layers} --hidden {shape.hidden} --heads {shape.heads} "
+    return full_command(profile, data, f"specchat train draft --data {' '.join(map(str, data))} "
+                        f"--target {profile.name} --out {out} --layers {shape.layers} --hidden {shape.hidden} "
+                        f"--heads {shape.heads} "
                         f"--kv-heads {shape.kv_heads} --ffn {shape.ffn} {flags_of(cfg)}"
                         + (" --freeze-embedding" if cfg.freeze_embedding else ""))
 

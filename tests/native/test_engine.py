@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specchat.backends.base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, BackendError, Request,
-                           Sampling, Step, Summary, run_to_summary)
+                                    Sampling, Step, Summary, run_to_summary)
 from specchat.backends.native.engine import TorchBackend
 
 HELLO = [{"role": "user", "content": "hello world"}]

@@ -8,7 +8,7 @@ from specchat.backends.base import NO_SPEC_METRICS, BackendError, Request, Sampl
 from specchat.backends.openai import OpenAIBackend
 from specchat.backends.openai.chunks import parse_chunk
 from specchat.backends.openai.metrics import (llama_server_figures, prometheus_samples, sglang_figures, vllm_counters,
-                                     vllm_figures)
+                                              vllm_figures)
 from specchat.live import LiveStats, speculation_figures, speculation_note
 from tests.openai.servers import RECORDED
 
