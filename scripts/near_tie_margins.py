@@ -7,9 +7,10 @@ For each target precision (int4, bfloat16, float32; the default model) and sampl
 temperature 0.7), `smollm2-ngram` runs without strict verification over Spec-Bench prompts, as
 `specchat verify` does. Every divergence is classified by recomputing the speculative run's own
 verify row (a flip when it chose the speculative token: a real near-tie) and its margin recorded
-(the reference's score of its token minus that of the other). Then the same runs with the loop
-bugs of tests/speculative/test_planted_bugs.py planted, whose divergences the recomputed rows call
-bugs. The margin rule (compare.NEAR_TIE_MARGIN), used only where no row can be recomputed (a
+(the reference's score of its token minus that of the other). Then the same runs with planted
+bugs (tests/speculative/test_planted_bugs.py: one draft too many accepted, the accepted count off
+by one, the KV cache not rolled back), whose divergences the recomputed rows call bugs. Records are
+appended to --out as each run ends, and runs already there are skipped (rerun to resume). The margin rule (compare.NEAR_TIE_MARGIN), used only where no row can be recomputed (a
 remote server judged against a local reference), calls a divergence a near-tie when its margin
 is at most the threshold: a planted bug within it is a false negative, a real near-tie beyond it
 a false positive. Prints both rates for candidate thresholds, per precision, as Markdown.
@@ -85,27 +86,33 @@ def main() -> int:
     from tests.speculative.test_planted_bugs import LOOP_BUGS
 
     prompts = load_prompts(SPEC_BENCH, args.limit)
-    bugs = ["accept one draft too many", *sorted(LOOP_BUGS)]
+    bugs = ["accept one draft too many", "off-by-one in the accepted count", "KV cache not rolled back"]
+    assert all(b in LOOP_BUGS for b in bugs[1:])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    records = []
+    records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    done = {(r["precision"], r["sampling"], r["bug"]) for r in records if r.get("run")}
     for precision in PRECISIONS:
         for mode, sampling in SAMPLINGS.items():
             settings = {"dtype": precision, "speculative.strict": False, "sampling.max_tokens": args.max_tokens}
             settings |= {f"sampling.{k}": v for k, v in sampling.items()}
             profile = get_profile("smollm2-ngram").with_overrides(settings)
             for bug in [None, *bugs]:
+                if (precision, mode, bug) in done:
+                    continue
                 undo = planted(bug) if bug else (lambda: None)
                 try:
                     found = divergences(profile, prompts, bug)
                 finally:
                     undo()
-                for r in found:
-                    r |= {"precision": precision, "sampling": mode}
+                # one marker record per run, so that a run without divergences counts as done too
+                found = [r | {"precision": precision, "sampling": mode} for r in found]
+                found.append({"run": True, "precision": precision, "sampling": mode, "bug": bug})
+                with out.open("a") as f:
+                    f.write("".join(json.dumps(r) + "\n" for r in found))
                 records += found
-                print(f"{precision} {mode} {bug or 'no bug'}: {len(found)} divergences "
-                      f"({sum(r['kind'] == 'near-tie' for r in found)} real near-ties)", file=sys.stderr, flush=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+                print(f"{precision} {mode} {bug or 'no bug'}: {len(found) - 1} divergences "
+                      f"({sum(r.get('kind') == 'near-tie' for r in found)} real near-ties)", file=sys.stderr, flush=True)
 
     print(f"{len(prompts)} Spec-Bench prompts x {args.max_tokens} tokens, smollm2-ngram not strict; "
           "|margin| in the reference's score units (logits, or tempered logits + noise)\n")
@@ -113,7 +120,7 @@ def main() -> int:
           + " | ".join(f"FN / FP at {t:g}" for t in THRESHOLDS) + " |")
     print("|---" * (5 + len(THRESHOLDS)) + "|")
     for precision in PRECISIONS:
-        mine = [r for r in records if r["precision"] == precision]
+        mine = [r for r in records if r["precision"] == precision and not r.get("run")]
         real = [abs(r["margin"]) for r in mine if r["kind"] == "near-tie"]
         bug = [abs(r["margin"]) for r in mine if r["bug"] and r["kind"] == "mismatch"]
         cells = " | ".join(f"{fn:.0%} / {fp:.0%}" for _, fn, fp in rates(real, bug))
