@@ -47,7 +47,8 @@ def accept_rejection(draft: Sequence[int], p: torch.Tensor, q: torch.Tensor, uni
     V = p.shape[-1]
     for i, x in enumerate(draft):
         px, qx = (float(p[i, x]) if x < V else 0.0), float(q[i, x])
-        if qx > 0 and float(uniforms[i]) * qx <= px:
+        # accept with probability px / qx: u < px / qx for u in [0, 1), so px == 0 never accepts (u can be 0)
+        if qx > 0 and float(uniforms[i]) * qx < px:
             continue
         residual = torch.clamp(p[i] - _width(q[i], V), min=0.0)
         if float(residual.sum()) <= 0:  # p == q: any rejection is a numerical accident; fall back to p

@@ -52,6 +52,13 @@ def test_rejection_rule_with_heads_of_different_widths(q_row):
     assert total_variation(draw(narrow, torch.tensor([[0.1, 0.2, 0.3, 0.4]]), n, accept_rejection), narrow[0], n) < 0.03
 
 
+def test_a_token_the_target_rules_out_is_never_accepted():
+    # u = 0 is a possible draw: "accept when u * q <= p" would keep a draft whose p is 0
+    p = torch.tensor([[0.0, 1.0], [0.5, 0.5]])
+    verdict = accept_rejection([0], p, torch.tensor([[1.0, 0.0]]), torch.zeros(1), lambda dist, i: int(dist.argmax()))
+    assert verdict.accepted == 0 and verdict.tokens([0]) == [1]
+
+
 def test_a_broken_rule_is_caught():
     def accept_always(draft, p, q, u, sample_from):
         return type(accept_rejection(draft, p, q, u, sample_from))(len(draft), 0)
