@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.base import Request, Sampling, Step, Summary
 from specchat.backends.native.engine import TorchBackend
 from specchat.backends.speculative.backend import SpeculativeBackend
 from specchat.backends.speculative.dflash import DFlashDrafter, load_dflash
@@ -89,12 +89,23 @@ class Counting:
         return draft
 
 
+def streamed(events) -> Summary:
+    """The stream's summary, after checking that what streamed is the reply: only steps, then one
+    summary, whose tokens are the steps' in order (a user reads the steps, verify the summary)."""
+    events = list(events)
+    steps, summary = events[:-1], events[-1]
+    assert isinstance(summary, Summary) and all(isinstance(e, Step) for e in steps), [type(e) for e in events]
+    assert [t for s in steps for t in s.token_ids] == summary.token_ids
+    assert summary.text.startswith("".join(s.text for s in steps))  # + the detokenizer's held-back tail
+    return summary
+
+
 def compare(target, drafter, depth, sampling, messages=PROMPTS[0], acceptance="exact", prompt_ids=None):
     """(reference summary, speculative summary, verdict) for one prompt (chat messages, or token ids)."""
     spec = SpeculativeBackend(target, drafter, depth, acceptance)
     request = Request(prompt_ids=prompt_ids) if prompt_ids is not None else Request(messages=messages)
-    ref = run_to_summary(fresh(target).stream(request, sampling))
-    out = run_to_summary(fresh(spec).stream(request, sampling))
+    ref = streamed(fresh(target).stream(request, sampling))
+    out = streamed(fresh(spec).stream(request, sampling))
     prompt = target.prompt_ids(request)
     verdict = judge_tokens(ref.token_ids, out.token_ids, target.detokenize,
                            margin_function(target, prompt, ref.token_ids, sampling), 1e-4,

@@ -41,6 +41,24 @@ def test_proposals_equal_a_fresh_recomputation(target, tiny_pair, hidden_source,
         assert first == [predicted[n - 2]], f"proposal for position {n}"
 
 
+def test_the_first_hidden_state_is_enough_to_propose(target, tiny_pair):
+    """A one-token prompt leaves one hidden state after prefill: the head's first guess needs no more."""
+    drafter = mtp_drafter(target, tiny_pair[0])
+    proposals = []
+    propose = drafter.propose
+
+    def recording(tokens, depth):
+        draft = propose(tokens, depth)
+        proposals.append((len(tokens), len(draft.tokens)))
+        return draft
+
+    drafter.propose = recording
+    first = target.prompt_ids(Request(messages=PROMPTS[0]))[:1]
+    _, _, verdict = compare(target, drafter, 3, Sampling(max_tokens=6), prompt_ids=first)
+    assert verdict.kind == "identical", verdict.line()
+    assert proposals[0] == (2, 3)  # the prompt token and the first reply token: a full draft already
+
+
 def test_mtp_keeps_parity_across_turns_and_with_rejection(target, drafters):
     convo = PROMPTS[1] + [{"role": "assistant", "content": "fine"}, {"role": "user", "content": "the lazy dog"}]
     for messages in (PROMPTS[1], convo):
