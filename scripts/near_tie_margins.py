@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec-bench" / "question.jsonl"
 PRECISIONS = ("int4", "bfloat16", "float32")
 SAMPLINGS = {"greedy": {}, "t0.7": {"temperature": 0.7, "seed": 1}}
+BUGS = {"accept-one-too-many": "accept one draft too many", "off-by-one": "off-by-one in the accepted count",
+        "kv-not-rolled-back": "KV cache not rolled back"}
 THRESHOLDS = (1e-4, 1e-3, 1e-2, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -78,6 +80,9 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--out", default=str(ROOT / "runs" / "near-tie-margins.jsonl"))
+    ap.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    ap.add_argument("--bugs", nargs="+", choices=sorted(BUGS), default=sorted(BUGS),
+                    help="planted bugs to run (default: all); the table counts what the records hold")
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
@@ -86,13 +91,13 @@ def main() -> int:
     from tests.speculative.test_planted_bugs import LOOP_BUGS
 
     prompts = load_prompts(SPEC_BENCH, args.limit)
-    bugs = ["accept one draft too many", "off-by-one in the accepted count", "KV cache not rolled back"]
-    assert all(b in LOOP_BUGS for b in bugs[1:])
+    bugs = [BUGS[b] for b in sorted(BUGS) if b in args.bugs]
+    assert all(b in LOOP_BUGS for b in bugs if b != BUGS["accept-one-too-many"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     done = {(r["precision"], r["sampling"], r["bug"]) for r in records if r.get("run")}
-    for precision in PRECISIONS:
+    for precision in args.precisions:
         for mode, sampling in SAMPLINGS.items():
             settings = {"dtype": precision, "speculative.strict": False, "sampling.max_tokens": args.max_tokens}
             settings |= {f"sampling.{k}": v for k, v in sampling.items()}
@@ -116,15 +121,21 @@ def main() -> int:
 
     print(f"{len(prompts)} Spec-Bench prompts x {args.max_tokens} tokens, smollm2-ngram not strict; "
           "|margin| in the reference's score units (logits, or tempered logits + noise)\n")
-    print("| precision | real near-ties | their largest margin | bug divergences | their smallest margin | "
+    print("| precision | runs | real near-ties | their largest margin | bug divergences | their smallest margin | "
           + " | ".join(f"FN / FP at {t:g}" for t in THRESHOLDS) + " |")
-    print("|---" * (5 + len(THRESHOLDS)) + "|")
+    print("|---" * (6 + len(THRESHOLDS)) + "|")
+    short = {v: k for k, v in BUGS.items()}
     for precision in PRECISIONS:
+        ran = sorted({(r["sampling"], short.get(r["bug"], "no bug")) for r in records
+                      if r.get("run") and r["precision"] == precision})
+        if not ran:
+            continue
+        runs = ", ".join(f"{m} {b}" for m, b in ran)
         mine = [r for r in records if r["precision"] == precision and not r.get("run")]
         real = [abs(r["margin"]) for r in mine if r["kind"] == "near-tie"]
         bug = [abs(r["margin"]) for r in mine if r["bug"] and r["kind"] == "mismatch"]
         cells = " | ".join(f"{fn:.0%} / {fp:.0%}" for _, fn, fp in rates(real, bug))
-        print(f"| {precision} | {len(real)} | {max(real, default=float('nan')):.2e} | {len(bug)} | "
+        print(f"| {precision} | {runs} | {len(real)} | {max(real, default=float('nan')):.2e} | {len(bug)} | "
               f"{min(bug, default=float('nan')):.2e} | {cells} |")
     return 0
 
