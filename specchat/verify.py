@@ -72,7 +72,7 @@ def fresh(backend: Backend) -> Backend:
 def tie_margin_of(backend: Backend) -> float:
     engine = torch_engine_of(backend)
     precision = getattr(engine, "precision", None)
-    return near_tie_margin("bfloat16" if precision == "int4" else precision)
+    return near_tie_margin(precision)
 
 
 @dataclass

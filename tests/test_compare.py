@@ -48,6 +48,12 @@ def test_under_strict_verification_every_divergence_is_a_mismatch():
     v = judge_tokens([1, 2, 3], [1, 2, 5], decode, scores_at=tiny_gap, tie_margin=0.25, strict_until=3)
     assert v.kind == MISMATCH and v.strict and "strict" in v.why
     assert "(10.0000)" in v.line() and "(10.0000)" in v.line().split("vs")[1]  # both scores shown
+    assert "verify row itself chose it" not in v.why
+    # a strict divergence whose recomputed verify row chose the emitted token: that pass was not row-exact
+    v = judge_tokens([1, 2, 3], [1, 2, 5], decode, scores_at=tiny_gap, strict_until=3, row_choice=lambda i: 5)
+    assert v.kind == MISMATCH and "the speculative verify row itself chose it" in v.why
+    v = judge_tokens([1, 2, 3], [1, 2, 5], decode, scores_at=tiny_gap, strict_until=3, row_choice=lambda i: 3)
+    assert v.kind == MISMATCH and "verify row itself chose it" not in v.why
     # past the strict prefix the same gap is a near-tie, and says which arithmetic it was
     v = judge_tokens([1, 2, 3], [1, 2, 5], decode, scores_at=tiny_gap, tie_margin=0.25, strict_until=2,
                      not_strict="float32 rows of multi-row verify blocks")

@@ -1,0 +1,18 @@
+"""The drafters' own limits: a draft model drafts within its own context, which may be shorter
+than the target's."""
+from specchat.backends.base import Request, Sampling
+from specchat.backends.native.engine import TorchBackend
+from specchat.backends.speculative.drafters import DraftModelDrafter
+from tests.speculative.conftest import PROMPTS, Counting, compare
+
+
+def test_a_draft_model_drafts_up_to_the_end_of_its_own_context(target, tiny_pair):
+    prompt = target.prompt_ids(Request(messages=PROMPTS[0]))
+    # the target's context is 256: the reply outgrows the drafter's
+    short = TorchBackend(tiny_pair[1], "hf_dir", precision="float32", threads=2, context=len(prompt) + 6)
+    drafter = DraftModelDrafter(short)
+    proposals = Counting(drafter)
+    _, out, verdict = compare(target, drafter, 4, Sampling(max_tokens=24))
+    assert verdict.kind == "identical", verdict.line()
+    assert out.tokens == 24 and proposals.passes > 0
+    assert len(short.cached) <= short.context_length

@@ -1,0 +1,47 @@
+"""Which reply tokens two runs computed with the same arithmetic (verify.shared_arithmetic): the
+tokens a divergence among which is a bug whatever the margin."""
+import pytest
+
+from specchat.backends.base import STOP_MAX_TOKENS, Summary
+from specchat.backends.native.engine import TorchBackend
+from specchat.verify import shared_arithmetic
+from tests.native.tiny import make_hf_checkpoint
+from tests.scripted import ScriptedBackend
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("verify") / "target", "llama", seed=11)
+
+
+def engine(path, precision="float32") -> TorchBackend:
+    return TorchBackend(path, "hf_dir", precision=precision, threads=1, context=128)
+
+
+@pytest.fixture(scope="module")
+def target(checkpoint):
+    return engine(checkpoint)
+
+
+def summary(exact: int, prefill_start: int = 0) -> Summary:
+    return Summary(STOP_MAX_TOKENS, token_ids=list(range(exact + 3)), exact_tokens=exact, prefill_start=prefill_start)
+
+
+def test_the_same_engine_shares_arithmetic_up_to_the_shorter_exact_run(target):
+    same = shared_arithmetic(target, target, summary(12), summary(8))
+    assert same.exact_until == 8
+    assert "float32 rows" in same.beyond(9)
+
+
+def test_a_backend_that_does_not_say_how_it_computed_shares_nothing(target):
+    remote = ScriptedBackend(["hello there"])
+    for ref, other in ((remote, target), (target, remote)):
+        shared = shared_arithmetic(ref, other, summary(12), summary(12))
+        assert shared.exact_until == 0 and "does not say" in shared.beyond
+
+
+def test_other_settings_or_a_reused_prefix_share_nothing(target, checkpoint):
+    bfloat16 = engine(checkpoint, "bfloat16")
+    assert shared_arithmetic(target, bfloat16, summary(12), summary(12)).exact_until == 0
+    reused = shared_arithmetic(target, target, summary(12), summary(12, prefill_start=5))
+    assert reused.exact_until == 0 and "reused 5 cached tokens" in reused.beyond
