@@ -30,6 +30,7 @@ def summary(exact: int, prefill_start: int = 0) -> Summary:
 def test_the_same_engine_shares_arithmetic_up_to_the_shorter_exact_run(target):
     same = shared_arithmetic(target, target, summary(12), summary(8))
     assert same.exact_until == 8
+    assert shared_arithmetic(target, target, summary(12), summary(0)).exact_until == 0
     assert "float32 rows" in same.beyond(9)
 
 

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specchat.backends.base import Sampling
+from specchat.backends.native import sampling as sampler
 from specchat.backends.native.sampling import filtered_logits, gumbel_noise, probs, sample, uniform_noise
 
 
@@ -123,3 +124,11 @@ def test_a_sub_vocabulary_samples_as_the_full_one_with_minus_inf_outside(s):
     full[:, vocab] = sub
     positions = [5, 6, 7, 8]
     assert torch.equal(sample(sub, positions, s, token_ids=vocab), sample(full, positions, s))
+
+
+def test_the_argmax_head_serves_greedy_and_plain_temperature_sampling_only():
+    # plain temperature sampling is an argmax of logits / T + noise: the int8 argmax head's job
+    assert sampler.argmax_over_vocabulary(Sampling()) and sampler.argmax_over_vocabulary(Sampling(temperature=0.7))
+    assert sampler.argmax_over_vocabulary(Sampling(temperature=0.7, top_p=1.0, top_k=0))
+    assert not sampler.argmax_over_vocabulary(Sampling(temperature=0.7, top_p=0.9))
+    assert not sampler.argmax_over_vocabulary(Sampling(temperature=0.7, top_k=40))

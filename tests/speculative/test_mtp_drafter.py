@@ -59,6 +59,29 @@ def test_the_first_hidden_state_is_enough_to_propose(target, tiny_pair):
     assert proposals[0] == (2, 3)  # the prompt token and the first reply token: a full draft already
 
 
+def test_proposing_again_with_nothing_committed_proposes_the_same(target, tiny_pair):
+    """The second call finds no new hidden state and recomputes the head's last entry, in place."""
+    drafter = mtp_drafter(target, tiny_pair[0], "rejection")  # its drafts carry the head's distributions
+    prompt = target.prompt_ids(Request(messages=PROMPTS[1]))
+    _, hidden = fresh(target).forward(prompt, 0, (FINAL,))
+    drafter.start(prompt, hidden, Sampling(temperature=1.0, seed=2))
+    tokens = prompt + [7]
+    first, again = drafter.propose(tokens, 3), drafter.propose(tokens, 3)
+    assert len(first.tokens) == 3 and again.tokens == first.tokens
+    assert torch.allclose(again.q, first.q, rtol=1e-3, atol=1e-8)  # one row against a batch: rounding only
+
+
+def test_a_draft_ends_at_an_end_of_sequence_token(target, tiny_pair):
+    prompt = target.prompt_ids(Request(messages=PROMPTS[1]))
+    _, hidden = fresh(target).forward(prompt, 0, (FINAL,))
+    drafter = mtp_drafter(target, tiny_pair[0])
+    drafter.start(prompt, hidden, Sampling())
+    guess = drafter.propose(prompt + [7], 3).tokens
+    drafter.eos_ids = frozenset([guess[1]])  # the second guess now ends the reply: nothing is drafted past it
+    drafter.start(prompt, hidden, Sampling())
+    assert drafter.propose(prompt + [7], 3).tokens == guess[:2]
+
+
 def test_mtp_keeps_parity_across_turns_and_with_rejection(target, drafters):
     convo = PROMPTS[1] + [{"role": "assistant", "content": "fine"}, {"role": "user", "content": "the lazy dog"}]
     for messages in (PROMPTS[1], convo):

@@ -48,6 +48,14 @@ def test_copying_run_drafts_up_to_copy_depth_and_one_fewer_than_the_run(run):
     assert index.propose(tokens, 3, copy_depth=5) == tokens[2 + run:2 + run + 5]  # the loop's cap for this pass
 
 
+def test_a_copying_run_from_the_first_token_is_as_long_as_the_tokens_before_it():
+    rng = random.Random(3)
+    first = [rng.randrange(1000, 2000) for _ in range(11)]
+    first[10] = first[9]  # so an index past the first token, wrapping round to the last, would match too
+    tokens = first + first[:10]  # the last 10 tokens repeat the first 10: a run of exactly 10
+    assert NgramIndex(2, 3, copy_depth=16).propose(tokens, 3) == tokens[10:19]  # one fewer than the run
+
+
 def test_short_matches_and_no_copy_depth_keep_the_depth():
     assert NgramIndex(2, 3, copy_depth=16).propose(copying(60, COPY_MIN - 1), 3) == copying(60, 0)[2 + 7:2 + 10]
     assert NgramIndex(2, 3).propose(copying(60, 30), 3) == copying(60, 0)[2 + 30:2 + 33]
