@@ -181,7 +181,10 @@ class Transformer(nn.Module):
         if self.static:
             write = torch.arange(start_pos, end, device=self.device)
             mask = torch.arange(self.cache.max_len, device=self.device)[None, :] <= write[:, None]
-            x, hidden = self._static_pass(x, write, self.cache.max_len, mask, layers)
+            # a frozenset, not the tuple: once a tuple's ints have changed between calls, torch.compile
+            # treats them as dynamic and its `i in layers` guards no longer see which layers are asked
+            # for (a graph compiled for (-1,) answers (0, -1) without layer 0); a set's are kept
+            x, hidden = self._static_pass(x, write, self.cache.max_len, mask, frozenset(layers))
         elif K == 1 or row_exact:
             groups = row_groups(start_pos, K, self.cache.max_len, self.device, self.cache_dtype,
                                 (self.cfg.n_kv_heads, self.cfg.n_heads // self.cfg.n_kv_heads))
@@ -208,7 +211,7 @@ class Transformer(nn.Module):
         return (self.logits(x) if head else x), hidden
 
     def run_layers(self, x: Tensor, write: slice | Tensor, span: int, mask: Tensor | None,
-                   hidden_layers: tuple[int, ...], groups: list[RowGroup] | None = None
+                   hidden_layers: tuple[int, ...] | frozenset[int], groups: list[RowGroup] | None = None
                    ) -> tuple[Tensor, dict[int, Tensor]]:
         """Every layer over rows x [K, dim] written at `write`; attention over cache[:span] under
         `mask`, or with `groups` each row as its single-token pass computes it."""

@@ -111,6 +111,18 @@ def test_static_shapes_path_equals_dynamic_path(tiny_dirs):
     assert torch.allclose(a, b, atol=1e-5)
 
 
+def test_compiled_static_path_returns_the_layers_each_call_asks_for(tiny_dirs):
+    """The hidden layers a pass returns change with its caller (target-only, an MTP head's final
+    state, DFlash's taps); a graph compiled for one set must not answer another."""
+    engine = TorchBackend(tiny_dirs["llama"], precision="float32", threads=2, context=48, compile=True)
+    assert engine.model.static
+    ids = list(range(3, 15))
+    for layers in [(), (FINAL,), (0, FINAL), (0, 2), (1,)]:
+        engine.truncate(0)
+        _, hidden = engine.forward(ids, 0, hidden_layers=layers)
+        assert sorted(hidden) == sorted(layers), layers
+
+
 @pytest.mark.parametrize("context", [256, ATTENTION_PAD + 6])
 def test_exact_rows_across_an_attention_pad_boundary(tiny_ggufs, context):
     """Single-token passes attend over the cache rounded up to ATTENTION_PAD keys; a verify block
