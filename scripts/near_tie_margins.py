@@ -83,6 +83,7 @@ def main() -> int:
     ap.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     ap.add_argument("--bugs", nargs="+", choices=sorted(BUGS), default=sorted(BUGS),
                     help="planted bugs to run (default: all); the table counts what the records hold")
+    ap.add_argument("--table", action="store_true", help="print the table from the records only, run nothing")
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
@@ -97,7 +98,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     done = {(r["precision"], r["sampling"], r["bug"]) for r in records if r.get("run")}
-    for precision in args.precisions:
+    for precision in [] if args.table else args.precisions:
         for mode, sampling in SAMPLINGS.items():
             settings = {"dtype": precision, "speculative.strict": False, "sampling.max_tokens": args.max_tokens}
             settings |= {f"sampling.{k}": v for k, v in sampling.items()}
