@@ -2,6 +2,8 @@
 planted bugs make a speculative reply part from target-only decoding.
 
     python scripts/near_tie_margins.py [--limit 12] [--max-tokens 96] [--out runs/near-tie-margins.jsonl]
+        [--precisions int4 bfloat16 float32] [--bugs accept-one-too-many off-by-one kv-not-rolled-back]
+    python scripts/near_tie_margins.py --table       # the table from the records, running nothing
 
 For each target precision (int4, bfloat16, float32; the default model) and sampling mode (greedy,
 temperature 0.7), `smollm2-ngram` runs without strict verification over Spec-Bench prompts, as
