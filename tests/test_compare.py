@@ -60,6 +60,14 @@ def test_under_strict_verification_every_divergence_is_a_mismatch():
     assert v.kind == NEAR_TIE and not v.strict and "not strict: float32 rows" in v.why
 
 
+def test_a_reply_that_ends_early_is_strict_only_if_the_token_past_it_was():
+    """The first token one reply has and the other lacks is where they part: strict when both
+    runs computed up to and including that position with single-token arithmetic."""
+    v = judge_tokens([1, 2, 3], [1, 2], decode, stops=("max_tokens", "eos"), strict_until=2)
+    assert v.kind == MISMATCH and v.index == 2 and not v.strict
+    assert judge_tokens([1, 2, 3], [1, 2], decode, stops=("max_tokens", "eos"), strict_until=3).strict
+
+
 def test_a_recomputed_verify_row_decides_over_any_margin():
     """The speculative run's own verify row: it chose the emitted token (a flip, even with a wide
     gap) or it did not (a bug, even with a tiny one)."""

@@ -159,3 +159,26 @@ def test_any_pattern_of_pauses_keeps_the_reply(target, drafters, method, samplin
     spec = SpeculativeBackend(target, drafters[method]("exact"), 3, adaptive=True)
     out = run_to_summary(fresh(spec).stream(request, sampling))
     assert out.token_ids == ref.token_ids and out.stop_reason == ref.stop_reason
+
+
+class ListeningGate(DraftGate):
+    """Never pauses; keeps what the loop tells it about each pass."""
+
+    heard: list[tuple[str | None, int]] = []
+
+    def plan(self):
+        return frozenset()
+
+    def record(self, source, tokens, seconds):
+        ListeningGate.heard.append((source, tokens))
+        super().record(source, tokens, seconds)
+
+
+def test_the_gate_hears_each_pass_with_the_source_that_drafted_it(target, drafters, monkeypatch):
+    monkeypatch.setattr(backend_module, "DraftGate", ListeningGate)
+    monkeypatch.setattr(ListeningGate, "heard", [])
+    spec = SpeculativeBackend(target, drafters["ngram"]("exact"), 3, adaptive=True)
+    events = list(fresh(spec).stream(Request(messages=PROMPTS[1]), Sampling(max_tokens=40)))
+    passes = events[1:-1]  # after the prefill's token, one step per verify pass
+    assert any(p.drafted for p in passes) and not all(p.drafted for p in passes)
+    assert ListeningGate.heard == [("ngram" if p.drafted else None, len(p.token_ids)) for p in passes]
