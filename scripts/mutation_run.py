@@ -891,6 +891,8 @@ def main(argv=None) -> int:
     p.add_argument("--equivalent", type=Path, default=EQUIVALENT,
                    help="the hand-kept list of equivalent mutants (default scripts/mutation/equivalent.toml)")
     p.add_argument("--skip-verify", action="store_true", help="stop after cosmic-ray exec (report without verify)")
+    p.add_argument("--report-only", action="store_true",
+                   help="write the report from the session as it stands (a stopped run: the rest counts as not run)")
     p.add_argument("--count-only", action="store_true", help="init and filter, print the counts, stop")
     p.add_argument("--fresh", action="store_true", help="discard the session in --out and start over")
     p.add_argument("--rebaseline", action="store_true",
@@ -984,6 +986,11 @@ def run(args) -> int:
     plan["argv"] = sys.argv[1:]
     plan["verify_checks"] = args.verify_checks
     plan_path.write_text(json.dumps(plan, indent=1))
+
+    if args.report_only:
+        verify = json.loads((out / "verify.json").read_text()) if (out / "verify.json").exists() else {}
+        report(out, repo, commit, plan, verify, load_equivalents(args.equivalent))
+        return 0
 
     # 4. exec
     run_exec(args, out, tree, env, present, test_command, timeout, repo, commit)

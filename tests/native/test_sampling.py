@@ -104,6 +104,9 @@ def test_probs_apply_temperature_top_k_and_top_p():
     # top-p keeps the fewest best tokens whose mass reaches p: reaching it exactly is enough
     halves = torch.tensor([[0.0, 0.0, -30.0]])  # probabilities 0.5, 0.5 (exactly, in float32), ~0
     assert (probs(halves, Sampling(temperature=1.0, top_p=0.5))[0] > 0).sum() == 1
+    # a nucleus wider than the first look (the best 1,024 tokens) is found in the whole vocabulary
+    flat = torch.zeros(1, 5000)
+    assert 4400 < (probs(flat, Sampling(temperature=1.0, top_p=0.9))[0] > 0).sum() < 4600  # ~90% of 5,000
 
 
 @pytest.mark.parametrize("s", [Sampling(temperature=0.7), Sampling(temperature=0.7, top_k=50),

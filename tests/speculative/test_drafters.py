@@ -16,3 +16,12 @@ def test_a_draft_model_drafts_up_to_the_end_of_its_own_context(target, tiny_pair
     assert verdict.kind == "identical", verdict.line()
     assert out.tokens == 24 and proposals.passes > 0
     assert len(short.cached) <= short.context_length
+
+
+def test_a_draft_model_ends_its_draft_at_an_end_of_sequence_token(target, tiny_pair):
+    prompt = target.prompt_ids(Request(messages=PROMPTS[1])) + [7]
+    drafter = DraftModelDrafter(TorchBackend(tiny_pair[1], "hf_dir", precision="float32", threads=2, context=256))
+    drafter.start(prompt[:-1], {}, Sampling())
+    guess = drafter.propose(prompt, 4).tokens
+    drafter.engine.eos_ids = frozenset([guess[1]])  # the second guess now ends the reply: nothing past it
+    assert drafter.propose(prompt, 4).tokens == guess[:2]
