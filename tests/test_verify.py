@@ -2,9 +2,11 @@
 tokens a divergence among which is a bug whatever the margin."""
 import pytest
 
-from specchat.backends.base import STOP_MAX_TOKENS, Summary
+from specchat.backends.base import STOP_MAX_TOKENS, Request, Sampling, Summary, run_to_summary
+from specchat.backends.speculative.backend import SpeculativeBackend
+from specchat.backends.speculative.drafters import NgramDrafter
 from specchat.backends.native.engine import TorchBackend
-from specchat.verify import shared_arithmetic
+from specchat.verify import row_choice_function, shared_arithmetic
 from tests.native.tiny import make_hf_checkpoint
 from tests.scripted import ScriptedBackend
 
@@ -31,6 +33,7 @@ def test_the_same_engine_shares_arithmetic_up_to_the_shorter_exact_run(target):
     same = shared_arithmetic(target, target, summary(12), summary(8))
     assert same.exact_until == 8
     assert shared_arithmetic(target, target, summary(12), summary(0)).exact_until == 0
+    assert shared_arithmetic(target, target, summary(0), summary(12)).exact_until == 0
     assert "float32 rows" in same.beyond(9)
 
 
@@ -46,3 +49,16 @@ def test_other_settings_or_a_reused_prefix_share_nothing(target, checkpoint):
     assert shared_arithmetic(target, bfloat16, summary(12), summary(12)).exact_until == 0
     reused = shared_arithmetic(target, target, summary(12), summary(12, prefill_start=5))
     assert reused.exact_until == 0 and "reused 5 cached tokens" in reused.beyond
+
+
+def test_a_verify_row_is_recomputed_only_for_a_local_speculative_run(target):
+    request, sampling = Request(prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6]), Sampling(max_tokens=12)
+    prompt = target.prompt_ids(request)
+    spec = SpeculativeBackend(target, NgramDrafter(1, 3), 3)
+    out = run_to_summary(spec.stream(request, sampling))
+    choice = row_choice_function(spec, prompt, out, sampling)
+    assert choice is not None and [choice(i) for i in range(len(out.token_ids))] == out.token_ids
+    plain = run_to_summary(target.stream(request, sampling))
+    assert row_choice_function(target, prompt, plain, sampling) is None  # target-only: no verify rows
+    empty = Summary(STOP_MAX_TOKENS, prefill_start=0)
+    assert row_choice_function(spec, prompt, empty, sampling) is None
