@@ -6,7 +6,7 @@ from specchat.backends.base import STOP_MAX_TOKENS, Request, Sampling, Summary, 
 from specchat.backends.speculative.backend import SpeculativeBackend
 from specchat.backends.speculative.drafters import NgramDrafter
 from specchat.backends.native.engine import TorchBackend
-from specchat.verify import row_choice_function, shared_arithmetic
+from specchat.verify import judge_replies, row_choice_function, shared_arithmetic
 from tests.native.tiny import make_hf_checkpoint
 from tests.scripted import ScriptedBackend
 
@@ -62,3 +62,11 @@ def test_a_verify_row_is_recomputed_only_for_a_local_speculative_run(target):
     assert row_choice_function(target, prompt, plain, sampling) is None  # target-only: no verify rows
     empty = Summary(STOP_MAX_TOKENS, prefill_start=0)
     assert row_choice_function(spec, prompt, empty, sampling) is None
+
+
+def test_replies_are_compared_by_token_where_both_carry_ids_else_by_text(target):
+    request, sampling = Request(prompt_ids=[5, 6, 7]), Sampling(max_tokens=4)
+    ref = run_to_summary(target.stream(request, sampling))
+    assert judge_replies(target, request, ref, ref, sampling).by == "tokens"
+    text_only = Summary(STOP_MAX_TOKENS, text=ref.text)  # a server that returned no token ids
+    assert judge_replies(target, request, ref, text_only, sampling).by == "text"

@@ -133,6 +133,11 @@ def test_context_cache_follows_commits_and_ignores_drafted_blocks(tmp_path, qwen
                                reference_logits(hf_target, ck, tokens[:P + 1]), atol=2e-4, rtol=1e-4)
 
 
+def test_a_float32_cpu_target_drafts_with_the_loaded_model_itself(tmp_path, qwen3_dir, qwen3):
+    model = load_dflash(make_dflash_checkpoint(tmp_path / "d", qwen3_dir, block_size=4), qwen3.model.cfg)
+    assert DFlashDrafter(model, qwen3).model is model  # no second copy of its weights (int4 and devices get one)
+
+
 def test_default_target_layers_follow_the_published_rule():
     assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert build_target_layer_ids(30, 1) == [15]
@@ -189,7 +194,8 @@ def test_profile_depth_beyond_the_block_is_refused(tmp_path, qwen3_dir, monkeypa
     with pytest.raises(BackendError, match="depth 4 is more than this DFlash drafter proposes per pass"):
         make_drafter(speculative_settings(load_profile_file(f)), target)
     f.write_text(f.read_text().replace("depth: 4", "depth: 3"))
-    assert make_drafter(speculative_settings(load_profile_file(f)), target).block_size == 4
+    drafter = make_drafter(speculative_settings(load_profile_file(f)), target)
+    assert drafter.block_size == 4 and drafter.max_depth == 3  # a block: the last committed token + 3 guesses
 
 
 # ---- speculative == target-only ----

@@ -7,6 +7,7 @@ import torch
 
 from specchat.backends.base import BackendError, Request, Sampling, run_to_summary
 from specchat.backends.native.model import FINAL
+from specchat.backends.native.sampling import sample
 from specchat.backends.speculative.backend import SpeculativeBackend
 from specchat.loading import load_speculative
 from specchat.profiles import Profile
@@ -16,7 +17,9 @@ from tests.speculative.conftest import PROMPTS, compare, mtp_drafter
 
 @pytest.mark.parametrize("hidden_source", ["post_norm", "pre_norm"])
 @pytest.mark.parametrize("depth", [1, 3])
-def test_proposals_equal_a_fresh_recomputation(target, tiny_pair, hidden_source, depth):
+@pytest.mark.parametrize("sampling", [Sampling(max_tokens=30), Sampling(temperature=0.8, seed=3, max_tokens=30)],
+                         ids=["greedy", "t0.8"])
+def test_proposals_equal_a_fresh_recomputation(target, tiny_pair, hidden_source, depth, sampling):
     drafter = mtp_drafter(target, tiny_pair[0], hidden_source=hidden_source)
     proposals = []
     propose = drafter.propose
@@ -28,14 +31,15 @@ def test_proposals_equal_a_fresh_recomputation(target, tiny_pair, hidden_source,
 
     drafter.propose = recording
     spec = SpeculativeBackend(fresh(target), drafter, depth)
-    out = run_to_summary(spec.stream(Request(messages=PROMPTS[1]), Sampling(max_tokens=30)))
+    out = run_to_summary(spec.stream(Request(messages=PROMPTS[1]), sampling))
     seq = target.prompt_ids(Request(messages=PROMPTS[1])) + out.token_ids
     # from scratch: the target's states over the whole sequence, every (h[t], x[t+1]) entry at once
     key = FINAL if hidden_source == "post_norm" else target.model.cfg.n_layers - 1
     _, hidden = fresh(target).forward(seq, 0, (key,))
     fresh_head = mtp_drafter(target, tiny_pair[0]).head
     g = fresh_head.forward(hidden[key][:-1], torch.tensor(seq[1:]), 0)
-    predicted = fresh_head.logits(g).argmax(-1).tolist()  # predicted[t] is the guess for x[t+2]
+    logits = fresh_head.logits(g)  # logits[t]: the guess for x[t+2], sampled with that position's noise
+    predicted = [int(sample(logits[t:t + 1], [t + 2], sampling)[0]) for t in range(len(logits))]
     assert len(proposals) > 5
     for n, first in proposals:
         assert first == [predicted[n - 2]], f"proposal for position {n}"

@@ -59,6 +59,8 @@ def test_a_copying_run_from_the_first_token_is_as_long_as_the_tokens_before_it()
 def test_short_matches_and_no_copy_depth_keep_the_depth():
     assert NgramIndex(2, 3, copy_depth=16).propose(copying(60, COPY_MIN - 1), 3) == copying(60, 0)[2 + 7:2 + 10]
     assert NgramIndex(2, 3).propose(copying(60, 30), 3) == copying(60, 0)[2 + 30:2 + 33]
+    # a copy cap of 0 for this pass: the run drafts as any match, no more tokens than the match is long
+    assert NgramIndex(2, 3, copy_depth=16).propose(copying(60, 30), 5, copy_depth=0) == copying(60, 0)[2 + 30:2 + 33]
     # a copying run shorter than the depth still drafts the depth
     assert len(NgramIndex(2, 3, copy_depth=16).propose(copying(60, COPY_MIN), 10)) == 10
 
