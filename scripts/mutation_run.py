@@ -743,18 +743,20 @@ def classify(result, verify_rec) -> str:
         .get(verify_rec["outcome"], "survived")
 
 
-COLUMNS = ["in scope", "killed by tests", "killed by verify", "equivalent", "survived", "not run", "n/a",
-           "kill rate"]
+COLUMNS = ["in scope", "killed by tests", "killed by verify", "equivalent", "survived", "awaiting verify", "not run",
+           "n/a", "tests' kill rate", "kill rate"]
 
 
 def tally(rows) -> dict:
     c = Counter(r["status"] for r in rows)
     killed = c["killed-tests"] + c["killed-verify"]
     na = c["not-applicable"] + c["incompetent"]
-    not_run = c["pending"] + c["survived-tests"]
-    denominator = len(rows) - c["equivalent"] - na - not_run
+    judged = len(rows) - c["equivalent"] - na - c["pending"]  # mutants the tests have seen, equivalents aside
+    denominator = judged - c["survived-tests"]  # ... and that verify has seen, where the tests missed them
     return {"in scope": len(rows), "killed by tests": c["killed-tests"], "killed by verify": c["killed-verify"],
-            "equivalent": c["equivalent"], "survived": c["survived"], "not run": not_run, "n/a": na,
+            "equivalent": c["equivalent"], "survived": c["survived"], "awaiting verify": c["survived-tests"],
+            "not run": c["pending"], "n/a": na,
+            "tests' kill rate": f"{100 * c['killed-tests'] / judged:.0f}%" if judged else "-",
             "kill rate": f"{100 * killed / denominator:.0f}%" if denominator else "-",
             "timeouts": sum(1 for r in rows if r.get("timeout")),
             "verify errors": sum(1 for r in rows if r["status"] == "killed-verify"
@@ -794,7 +796,7 @@ def report(out: Path, repo: Path, commit: str, plan: dict, verify: dict, equival
                 row["diff"] = "\n".join(difflib.unified_diff(sources[module].splitlines(), mutated.splitlines(),
                                                              f"a/{module}", f"b/{module}", lineterm="", n=2))
                 reason = equivalent_reason(equivalents, module, mu.operator_name, row["original"], row["mutated"])
-                if reason and status in ("survived", "survived-tests", "equivalent"):
+                if reason and status in ("survived", "survived-tests", "equivalent", "pending"):
                     row["status"], row["equivalent"] = "equivalent", reason
                 elif reason:  # the hand-kept list says it cannot change output, yet something killed it
                     row["listed_equivalent_but_killed"] = reason
@@ -821,8 +823,10 @@ def report(out: Path, repo: Path, commit: str, plan: dict, verify: dict, equival
           f"{plan.get('timeout', 0):.0f} s): `{plan.get('test_command')}`", "",
           "Verify checks per surviving mutant (first non-zero exit kills): "
           + ", ".join(f"`{c}`" for c in plan.get("verify_checks", [])) + f" on `{PROMPTS.relative_to(DEFAULT_REPO)}`.",
-          "", "Kill rate = killed / (in scope - equivalent - n/a - not run); n/a = the mutation could not be "
-          "applied or crashed the worker; not run = no result yet.", ""]
+          "", "Kill rate = killed (by tests or verify) / (in scope - equivalent - n/a - not run - awaiting verify); "
+          "tests' kill rate = killed by tests / (in scope - equivalent - n/a - not run); n/a = the mutation could "
+          "not be applied or crashed the worker; awaiting verify = survived the tests, verify not run yet; "
+          "not run = no result yet.", ""]
     if plan.get("missing_scopes"):
         md += ["Scopes not in this commit (skipped): " + "; ".join(plan["missing_scopes"]), ""]
     if plan.get("missing_tests"):

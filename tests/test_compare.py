@@ -39,6 +39,8 @@ def test_text_alignment_for_servers_without_token_ids():
     assert judge_text("hello world", "hello world").kind == IDENTICAL
     v = judge_text("hello world", "hello there")
     assert v.kind == MISMATCH and v.index == 6 and v.by == "text"
+    v = judge_text("the answer: forty-two, as said", "the answer: 41, as said")
+    assert (v.ref_text, v.other_text) == ("forty-two, a", "41, as said")  # 12 characters from the divergence
 
 
 def test_under_strict_verification_every_divergence_is_a_mismatch():
