@@ -70,3 +70,14 @@ def test_replies_are_compared_by_token_where_both_carry_ids_else_by_text(target)
     assert judge_replies(target, request, ref, ref, sampling).by == "tokens"
     text_only = Summary(STOP_MAX_TOKENS, text=ref.text)  # a server that returned no token ids
     assert judge_replies(target, request, ref, text_only, sampling).by == "text"
+
+
+def test_the_backend_that_made_a_reply_tells_whether_its_divergence_was_strict(target):
+    request, sampling = Request(prompt_ids=[5, 6, 7]), Sampling(max_tokens=6)
+    ref = run_to_summary(target.stream(request, sampling))
+    ids = list(ref.token_ids)
+    ids[3] = (ids[3] + 1) % 50
+    other = Summary(STOP_MAX_TOKENS, token_ids=ids, exact_tokens=ref.exact_tokens, prefill_start=0)
+    v = judge_replies(target, request, ref, other, sampling, other_backend=target)
+    assert v.index == 3 and v.kind == "mismatch" and v.strict  # single-token passes on both sides
+    assert not judge_replies(target, request, ref, other, sampling).strict  # nothing says how it was computed

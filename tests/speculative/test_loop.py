@@ -1,9 +1,14 @@
-"""The loop's verify step computes the target's LM head only as far as acceptance looks."""
+"""The loop's verify step computes the target's LM head only as far as acceptance looks; its prefill
+reuses what the cache holds."""
 import torch
 
-from specchat.backends.base import Sampling
+from specchat.backends.base import Request, Sampling, run_to_summary
 from specchat.backends.speculative.acceptance import accept_exact
+from specchat.backends.speculative.backend import SpeculativeBackend
+from specchat.backends.speculative.drafters import NgramDrafter
 from specchat.backends.speculative.loop import target_choices
+from specchat.verify import fresh
+from tests.speculative.conftest import PROMPTS
 
 
 class CountingHead:
@@ -47,3 +52,12 @@ def test_first_draft_rejected_and_no_chunking():
     target = CountingHead(2)
     assert target_choices(target, states_for([7, 2, 3]), [1, 2], [4, 5, 6], Sampling()) == [7, 2]
     assert target.calls == [2]
+
+
+def test_a_prompt_the_cache_already_holds_reprefills_only_its_last_token(target):
+    spec = SpeculativeBackend(target, NgramDrafter(1, 3), 3)
+    request, sampling = Request(messages=PROMPTS[0]), Sampling(max_tokens=8)
+    first = run_to_summary(fresh(spec).stream(request, sampling))
+    again = run_to_summary(spec.stream(request, sampling))  # the cache holds the prompt and the reply
+    assert first.prefill_start == 0 and again.prefill_start == len(target.prompt_ids(request)) - 1
+    assert again.token_ids == first.token_ids
