@@ -35,6 +35,11 @@ def test_the_same_engine_shares_arithmetic_up_to_the_shorter_exact_run(target):
     assert shared_arithmetic(target, target, summary(12), summary(0)).exact_until == 0
     assert shared_arithmetic(target, target, summary(0), summary(12)).exact_until == 0
     assert "float32 rows" in same.beyond(9)
+    drafted = summary(12)
+    drafted.pass_log = [([], 1), ([4, 5, 6], 4), ([], 1)]  # the prefill's token, a 4-row block, a single pass
+    beyond = shared_arithmetic(target, target, summary(12), drafted).beyond
+    assert "token 3 from a 4-row verify block" in beyond(3)
+    assert "a single-token pass after multi-row ones" in beyond(5)
 
 
 def test_a_backend_that_does_not_say_how_it_computed_shares_nothing(target):

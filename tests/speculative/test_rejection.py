@@ -59,6 +59,21 @@ def test_a_token_the_target_rules_out_is_never_accepted():
     assert verdict.accepted == 0 and verdict.tokens([0]) == [1]
 
 
+@pytest.mark.parametrize("sampling, calls", [(Sampling(temperature=1.0, seed=2, max_tokens=16), True),
+                                             (Sampling(max_tokens=16), False)], ids=["t1.0", "greedy"])
+def test_the_rejection_rule_decides_when_sampling_and_only_then(target, drafters, monkeypatch, sampling, calls):
+    from specchat.backends.speculative import loop
+
+    used = []
+    monkeypatch.setattr(loop, "accept_rejection", lambda *a: used.append(1) or accept_rejection(*a))
+    exact = SpeculativeBackend(target, drafters["draft"]("exact"), 3)
+    run_to_summary(fresh(exact).stream(Request(messages=PROMPTS[0]), sampling))
+    assert not used  # exact acceptance never does
+    spec = SpeculativeBackend(target, drafters["draft"]("rejection"), 3, acceptance="rejection")
+    run_to_summary(fresh(spec).stream(Request(messages=PROMPTS[0]), sampling))
+    assert bool(used) == calls  # greedy: the target's own choice, as exact acceptance
+
+
 def test_a_broken_rule_is_caught():
     def accept_always(draft, p, q, u, sample_from):
         return type(accept_rejection(draft, p, q, u, sample_from))(len(draft), 0)
