@@ -6,7 +6,7 @@ from specchat.backends.base import STOP_MAX_TOKENS, Request, Sampling, Summary, 
 from specchat.backends.speculative.backend import SpeculativeBackend
 from specchat.backends.speculative.drafters import NgramDrafter
 from specchat.backends.native.engine import TorchBackend
-from specchat.verify import judge_replies, row_choice_function, shared_arithmetic
+from specchat.verify import fresh, judge_replies, row_choice_function, shared_arithmetic
 from tests.native.tiny import make_hf_checkpoint
 from tests.scripted import ScriptedBackend
 
@@ -63,6 +63,11 @@ def test_a_verify_row_is_recomputed_only_for_a_local_speculative_run(target):
     out = run_to_summary(spec.stream(request, sampling))
     choice = row_choice_function(spec, prompt, out, sampling)
     assert choice is not None and [choice(i) for i in range(len(out.token_ids))] == out.token_ids
+    sampled = Sampling(temperature=0.8, seed=1, max_tokens=12)
+    out = run_to_summary(fresh(spec).stream(request, sampled))
+    assert row_choice_function(spec, prompt, out, sampled) is not None  # exact acceptance: seed-identical rows
+    rejection = SpeculativeBackend(target, NgramDrafter(1, 3), 3, acceptance="rejection")
+    assert row_choice_function(rejection, prompt, out, sampled) is None  # lossless in distribution only
     plain = run_to_summary(target.stream(request, sampling))
     assert row_choice_function(target, prompt, plain, sampling) is None  # target-only: no verify rows
     empty = Summary(STOP_MAX_TOKENS, prefill_start=0)

@@ -6,7 +6,7 @@ from specchat.backends.base import Request, Sampling, run_to_summary
 from specchat.backends.speculative.acceptance import accept_exact
 from specchat.backends.speculative.backend import SpeculativeBackend
 from specchat.backends.speculative.drafters import NgramDrafter
-from specchat.backends.speculative.loop import target_choices
+from specchat.backends.speculative.loop import keyed_generator, target_choices
 from specchat.verify import fresh
 from tests.speculative.conftest import PROMPTS
 
@@ -61,3 +61,9 @@ def test_a_prompt_the_cache_already_holds_reprefills_only_its_last_token(target)
     again = run_to_summary(spec.stream(request, sampling))  # the cache holds the prompt and the reply
     assert first.prefill_start == 0 and again.prefill_start == len(target.prompt_ids(request)) - 1
     assert again.token_ids == first.token_ids
+
+
+def test_rejection_noise_is_keyed_by_seed_and_position():
+    draws = [float(torch.rand((), generator=keyed_generator(seed, pos, "accept"))) for seed in (1, 2) for pos in range(8)]
+    assert len(set(draws)) == len(draws)  # no two (seed, position) pairs share a draw
+    assert draws[3] == float(torch.rand((), generator=keyed_generator(1, 3, "accept")))  # and each is reproducible
