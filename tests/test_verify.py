@@ -60,7 +60,7 @@ def test_a_verify_row_is_recomputed_only_for_a_local_speculative_run(target):
     request, sampling = Request(prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6]), Sampling(max_tokens=12)
     prompt = target.prompt_ids(request)
     spec = SpeculativeBackend(target, NgramDrafter(1, 3), 3)
-    out = run_to_summary(spec.stream(request, sampling))
+    out = run_to_summary(fresh(spec).stream(request, sampling))
     choice = row_choice_function(spec, prompt, out, sampling)
     assert choice is not None and [choice(i) for i in range(len(out.token_ids))] == out.token_ids
     sampled = Sampling(temperature=0.8, seed=1, max_tokens=12)
@@ -84,10 +84,11 @@ def test_replies_are_compared_by_token_where_both_carry_ids_else_by_text(target)
 
 def test_the_backend_that_made_a_reply_tells_whether_its_divergence_was_strict(target):
     request, sampling = Request(prompt_ids=[5, 6, 7]), Sampling(max_tokens=6)
-    ref = run_to_summary(target.stream(request, sampling))
+    ref = run_to_summary(fresh(target).stream(request, sampling))  # the whole prompt prefilled
     ids = list(ref.token_ids)
     ids[3] = (ids[3] + 1) % 50
     other = Summary(STOP_MAX_TOKENS, token_ids=ids, exact_tokens=ref.exact_tokens, prefill_start=0)
     v = judge_replies(target, request, ref, other, sampling, other_backend=target)
     assert v.index == 3 and v.kind == "mismatch" and v.strict  # single-token passes on both sides
+    assert v.ref_score is not None and v.other_score is not None  # the reference's own scores, recomputed
     assert not judge_replies(target, request, ref, other, sampling).strict  # nothing says how it was computed

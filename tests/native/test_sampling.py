@@ -66,8 +66,10 @@ def test_every_row_is_filtered_on_its_own(monkeypatch):
     rows_seen = []
     real = sampling.candidates
     monkeypatch.setattr(sampling, "candidates", lambda logits, s: rows_seen.append(len(logits)) or real(logits, s))
-    sample(torch.randn(5, 49152), list(range(5)), Sampling(temperature=0.9, top_p=0.9, seed=1))
-    assert rows_seen == [1] * 5
+    for rows in (5, 2):  # a verify block of two rows too
+        rows_seen.clear()
+        sample(torch.randn(rows, 49152), list(range(rows)), Sampling(temperature=0.9, top_p=0.9, seed=1))
+        assert rows_seen == [1] * rows
 
 
 def _empirical(logits: torch.Tensor, s: Sampling, n: int = 20000) -> torch.Tensor:

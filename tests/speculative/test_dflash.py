@@ -128,6 +128,7 @@ def test_context_cache_follows_commits_and_ignores_drafted_blocks(tmp_path, qwen
     got = drafter.draft_logits(tokens[:n], 3)
     torch.testing.assert_close(got, reference_logits(hf_target, ck, tokens[:n]), atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(drafter.draft_logits(tokens[:n], 3), got)  # again, with nothing new committed
+    assert torch.is_inference(got)  # drafting records no autograd graph
     drafter.start(tokens[:P], fresh(qwen3).forward(tokens[:P], 0, drafter.hidden_layers)[1], Sampling())
     torch.testing.assert_close(drafter.draft_logits(tokens[:P + 1], 3),
                                reference_logits(hf_target, ck, tokens[:P + 1]), atol=2e-4, rtol=1e-4)

@@ -23,5 +23,6 @@ def test_a_draft_model_ends_its_draft_at_an_end_of_sequence_token(target, tiny_p
     drafter = DraftModelDrafter(TorchBackend(tiny_pair[1], "hf_dir", precision="float32", threads=2, context=256))
     drafter.start(prompt[:-1], {}, Sampling())
     guess = drafter.propose(prompt, 4).tokens
+    assert len(guess) == 4 and drafter.engine.cached == prompt + guess[:3]  # the last guess is never fed back
     drafter.engine.eos_ids = frozenset([guess[1]])  # the second guess now ends the reply: nothing past it
     assert drafter.propose(prompt, 4).tokens == guess[:2]
