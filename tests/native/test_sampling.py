@@ -104,6 +104,8 @@ def test_probs_apply_temperature_top_k_and_top_p():
     assert torch.allclose(p[:2], p_full[:2] / p_full[:2].sum())
     assert probs(logits, Sampling())[0].tolist() == [1.0, 0.0, 0.0, 0.0]
     assert probs(torch.tensor([[0.0, 2.0, 1.0], [3.0, 1.0, 0.0]]), Sampling()).tolist() == [[0, 1, 0], [1, 0, 0]]
+    assert (probs(logits, Sampling(temperature=1.0, top_k=1))[0] > 0).tolist() == [True, False, False, False]
+    assert probs(torch.tensor([[0.0, 0.0, -30.0]]), Sampling(temperature=1.0, top_k=3))[0, 2] > 0  # k tokens, however unlikely
     # top-p keeps the fewest best tokens whose mass reaches p: reaching it exactly is enough
     halves = torch.tensor([[0.0, 0.0, -30.0]])  # probabilities 0.5, 0.5 (exactly, in float32), ~0
     assert (probs(halves, Sampling(temperature=1.0, top_p=0.5))[0] > 0).sum() == 1

@@ -33,6 +33,13 @@ def test_index_follows_a_rollback():
     assert index.propose([4, 2, 3, 4, 2], 2) == [3, 4]  # rebuilt: nothing of [1, 2, 3, 1] is left
 
 
+def test_a_growing_sequence_extends_the_index_in_place():
+    index = NgramIndex(1, 2)
+    index.propose([1, 2, 3, 1], 2)
+    held = index.next_after
+    assert index.propose([1, 2, 3, 1, 2], 2) == [3, 1] and index.next_after is held  # not rebuilt each pass
+
+
 def copying(span: int, tail: int) -> list[int]:
     """A sequence whose last `tail` tokens repeat tokens that came `span` earlier."""
     rng = random.Random(span)
