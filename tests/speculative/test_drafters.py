@@ -24,5 +24,6 @@ def test_a_draft_model_ends_its_draft_at_an_end_of_sequence_token(target, tiny_p
     drafter.start(prompt[:-1], {}, Sampling())
     guess = drafter.propose(prompt, 4).tokens
     assert len(guess) == 4 and drafter.engine.cached == prompt + guess[:3]  # the last guess is never fed back
+    assert drafter.propose(prompt, 1).tokens == guess[:1]
     drafter.engine.eos_ids = frozenset([guess[1]])  # the second guess now ends the reply: nothing past it
     assert drafter.propose(prompt, 4).tokens == guess[:2]

@@ -47,7 +47,7 @@ def copying(span: int, tail: int) -> list[int]:
     return [7, 7] + first + first[:tail]
 
 
-@pytest.mark.parametrize("run", [COPY_MIN, 10, 20, 40])
+@pytest.mark.parametrize("run", [COPY_MIN, 10, 11, 20, 40])
 def test_copying_run_drafts_up_to_copy_depth_and_one_fewer_than_the_run(run):
     tokens = copying(60, run)
     index = NgramIndex(2, 3, copy_depth=16)

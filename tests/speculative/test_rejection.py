@@ -74,6 +74,14 @@ def test_the_rejection_rule_decides_when_sampling_and_only_then(target, drafters
     assert bool(used) == calls  # greedy: the target's own choice, as exact acceptance
 
 
+def test_a_draft_the_drafter_gave_no_probability_falls_back_to_the_target():
+    # p == q and the draft has q = 0 (it did not come from q): rejected, and the residual p - q is all
+    # zero, so the token comes from p itself, never from a zero distribution
+    p = torch.tensor([[0.0, 1.0], [0.5, 0.5]])
+    verdict = accept_rejection([0], p, p[:1].clone(), torch.full((1,), 0.5), lambda dist, i: int(dist.argmax()))
+    assert verdict.accepted == 0 and verdict.token == 1
+
+
 def test_a_broken_rule_is_caught():
     def accept_always(draft, p, q, u, sample_from):
         return type(accept_rejection(draft, p, q, u, sample_from))(len(draft), 0)
