@@ -85,5 +85,6 @@ def test_identical_is_clean_only_when_both_replies_ended_alike():
     assert judge_tokens([1, 2, 3], [1, 2, 3], decode, stops=("eos", "eos")).clean
     shorter = judge_tokens([1, 2, 3], [1, 2], decode)  # no stop reasons: only the tokens both have compared
     assert shorter.kind == IDENTICAL and not shorter.complete and not shorter.clean
+    assert judge_tokens([1, 2, 3], [1, 2, 3], decode).complete  # as long as each other: all compared
     v = judge_tokens([1, 2, 3], [1, 2], decode, stops=("eos", "cancelled"))
     assert v.kind == IDENTICAL and not v.clean and "stopped" in v.line()

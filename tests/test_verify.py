@@ -29,11 +29,13 @@ def summary(exact: int, prefill_start: int = 0) -> Summary:
     return Summary(STOP_MAX_TOKENS, token_ids=list(range(exact + 3)), exact_tokens=exact, prefill_start=prefill_start)
 
 
-def test_the_same_engine_shares_arithmetic_up_to_the_shorter_exact_run(target):
+def test_the_same_engine_shares_arithmetic_up_to_the_shorter_exact_run(target, checkpoint):
     same = shared_arithmetic(target, target, summary(12), summary(8))
     assert same.exact_until == 8
     assert shared_arithmetic(target, target, summary(12), summary(0)).exact_until == 0
     assert shared_arithmetic(target, target, summary(0), summary(12)).exact_until == 0
+    twin = engine(checkpoint)  # another engine with the same model and settings: the same arithmetic
+    assert shared_arithmetic(target, twin, summary(12), summary(8)).exact_until == 8
     assert "float32 rows" in same.beyond(9)
     drafted = summary(12)
     drafted.pass_log = [([], 1), ([4, 5, 6], 4), ([], 1)]  # the prefill's token, a 4-row block, a single pass

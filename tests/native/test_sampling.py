@@ -112,6 +112,8 @@ def test_probs_apply_temperature_top_k_and_top_p():
     # a nucleus wider than the first look (the best 1,024 tokens) is found in the whole vocabulary
     flat = torch.zeros(1, 5000)
     assert 4400 < (probs(flat, Sampling(temperature=1.0, top_p=0.9))[0] > 0).sum() < 4600  # ~90% of 5,000
+    sloped = probs(torch.linspace(0, 1, 5000)[None], Sampling(temperature=1.0, top_p=0.9))[0]
+    assert sloped[-1] > 0 and sloped[0] == 0  # the nucleus is the best tokens, the worst fall outside
 
 
 @pytest.mark.parametrize("s", [Sampling(temperature=0.7), Sampling(temperature=0.7, top_k=50),

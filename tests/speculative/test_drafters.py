@@ -2,7 +2,7 @@
 than the target's."""
 from specchat.backends.base import Request, Sampling
 from specchat.backends.native.engine import TorchBackend
-from specchat.backends.speculative.drafters import DraftModelDrafter
+from specchat.backends.speculative.drafters import DraftModelDrafter, NgramDrafter
 from tests.speculative.conftest import PROMPTS, Counting, compare
 
 
@@ -27,3 +27,9 @@ def test_a_draft_model_ends_its_draft_at_an_end_of_sequence_token(target, tiny_p
     assert drafter.propose(prompt, 1).tokens == guess[:1]
     drafter.engine.eos_ids = frozenset([guess[1]])  # the second guess now ends the reply: nothing past it
     assert drafter.propose(prompt, 4).tokens == guess[:2]
+
+
+def test_prompt_lookup_drafts_the_profile_depth_outside_a_copying_run():
+    drafter = NgramDrafter(1, 3, copy_depth=12)
+    assert drafter.plan_depth(2) == 12  # the loop may ask for up to 12, for copying runs
+    assert drafter.propose([5, 6, 7, 8, 1, 5, 6, 7], 12).tokens == [8, 1]  # a 3-token match: the profile's 2

@@ -191,3 +191,16 @@ def test_a_reply_cancelled_before_it_starts_runs_nothing(target, drafters):
     ref = run_to_summary(fresh(target).stream(request, sampling, cancel))
     out = run_to_summary(SpeculativeBackend(target, drafters["ngram"]("exact"), 3).stream(request, sampling, cancel))
     assert (ref.stop_reason, ref.tokens) == (out.stop_reason, out.tokens) == ("cancelled", 0)
+
+
+@pytest.mark.timeout(60)  # a loop that does not stop on cancel runs until this
+def test_a_reply_cancelled_midway_stops_after_the_current_pass(target, drafters):
+    cancel = threading.Event()
+    spec = SpeculativeBackend(target, drafters["ngram"]("exact"), 3)
+    events = []
+    for event in fresh(spec).stream(Request(messages=PROMPTS[0]), Sampling(max_tokens=40), cancel):
+        events.append(event)
+        if len(events) == 2:
+            cancel.set()
+    out = events[-1]
+    assert out.stop_reason == "cancelled" and len(events) == 3 and 1 < out.tokens < 40
