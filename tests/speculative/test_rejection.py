@@ -82,6 +82,13 @@ def test_a_draft_the_drafter_gave_no_probability_falls_back_to_the_target():
     assert verdict.accepted == 0 and verdict.token == 1
 
 
+def test_each_draft_meets_the_rule_after_an_accepted_one():
+    p = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])  # the target wants 0, then 1
+    q = torch.tensor([[1.0, 0.0], [1.0, 0.0]])  # the drafter proposed 0 twice
+    verdict = accept_rejection([0, 0], p, q, torch.full((2,), 0.5), lambda dist, i: int(dist.argmax()))
+    assert verdict.accepted == 1 and verdict.token == 1  # the first kept, the second rejected for p's 1
+
+
 def test_a_broken_rule_is_caught():
     def accept_always(draft, p, q, u, sample_from):
         return type(accept_rejection(draft, p, q, u, sample_from))(len(draft), 0)
