@@ -70,6 +70,13 @@ def test_a_reply_that_ends_early_is_strict_only_if_the_token_past_it_was():
     assert judge_tokens([1, 2, 3], [1, 2], decode, stops=("max_tokens", "eos"), strict_until=3).strict
 
 
+def test_the_margin_rule_where_no_row_can_be_recomputed():
+    at_the_margin = lambda i, a, b: (10.0, 9.75)  # noqa: E731  (a gap of exactly 0.25)
+    assert judge_tokens([1, 2, 3], [1, 2, 5], decode, scores_at=at_the_margin, tie_margin=0.25).kind == NEAR_TIE
+    wide = judge_tokens([1, 2, 3], [1, 2, 5], decode, scores_at=lambda i, a, b: (10.0, 9.0), tie_margin=0.25)
+    assert wide.kind == MISMATCH and "wider than the near-tie margin 0.25" in wide.why
+
+
 def test_a_recomputed_verify_row_decides_over_any_margin():
     """The speculative run's own verify row: it chose the emitted token (a flip, even with a wide
     gap) or it did not (a bug, even with a tiny one)."""

@@ -74,6 +74,8 @@ def test_a_verify_row_is_recomputed_only_for_a_local_speculative_run(target):
     assert row_choice_function(target, prompt, plain, sampling) is None  # target-only: no verify rows
     empty = Summary(STOP_MAX_TOKENS, prefill_start=0)
     assert row_choice_function(spec, prompt, empty, sampling) is None
+    reused = Summary(STOP_MAX_TOKENS, token_ids=out.token_ids, pass_log=out.pass_log, prefill_start=3)
+    assert row_choice_function(spec, prompt, reused, sampling) is None  # its prefill is not the replay's
 
 
 def test_replies_are_compared_by_token_where_both_carry_ids_else_by_text(target):

@@ -96,6 +96,7 @@ def streamed(events) -> Summary:
     steps, summary = events[:-1], events[-1]
     assert isinstance(summary, Summary) and all(isinstance(e, Step) for e in steps), [type(e) for e in events]
     assert [t for s in steps for t in s.token_ids] == summary.token_ids
+    assert all(s.accepted <= s.drafted for s in steps) and (not steps or steps[0].drafted == 0)  # the prefill drafts nothing
     assert summary.text.startswith("".join(s.text for s in steps))  # + the detokenizer's held-back tail
     return summary
 
