@@ -33,6 +33,10 @@ def test_index_follows_a_rollback():
     assert index.propose([4, 2, 3, 4, 2], 2) == [3, 4]  # rebuilt: nothing of [1, 2, 3, 1] is left
 
 
+def test_a_sequence_shorter_than_the_longest_n_gram_still_finds_shorter_matches():
+    assert NgramIndex(1, 3).propose([5, 5], 2) == [5]  # too short for 3- and 2-grams; the 1-gram matches
+
+
 def test_a_growing_sequence_extends_the_index_in_place():
     index = NgramIndex(1, 2)
     index.propose([1, 2, 3, 1], 2)
