@@ -157,6 +157,8 @@ TEST_FILES = [
     "tests/speculative/test_gate.py",
     "tests/speculative/test_replay.py",
     "tests/speculative/test_parity.py",
+    "tests/test_verify.py",
+    "tests/speculative/test_drafters.py",
     "tests/test_cli.py::test_verify_says_whether_verification_was_strict",  # judge_replies via `verify`
 ]
 TEST_K = ("not test_property and not test_end_to_end_drafted and not test_strict and not int4 "
