@@ -9,7 +9,7 @@ from specchat.verify import fresh
 from tests.speculative.conftest import PROMPTS, SAMPLINGS, engine
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "mtp+lookup", "dflash"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "self", "mtp+lookup", "dflash"])  # self: long first blocks
 @pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.8"])
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_recomputed_rows_choose_what_the_run_emitted(tiny_pair, drafters, method, sampling, precision):
@@ -26,7 +26,7 @@ def test_recomputed_rows_choose_what_the_run_emitted(tiny_pair, drafters, method
 
 def drafters_for(drafters, method, target, tiny_pair):
     """The conftest drafters run on its float32 target; the model-free and draft-model ones suit any."""
-    if method in ("ngram", "draft"):
+    if method in ("ngram", "draft", "self"):
         return drafters[method]("exact")
     from tests.speculative.conftest import mtp_drafter, with_lookup
     if method == "mtp+lookup":
