@@ -136,7 +136,8 @@ def tests_for_mutant(test_map: dict, root: Path) -> tuple[list[str] | None, list
             continue
         ran = test_map["modules"].get(m, {})
         nodes: set[str] = set()
-        for line in sorted(changed_lines(before, after)):
+        lines = sorted(changed_lines(before, after))
+        for line in lines:
             found = statement_lines(before, line)
             if found is None:
                 return None, [], f"{m}:{line} is outside any statement (a decorator?): every file"
@@ -147,7 +148,7 @@ def tests_for_mutant(test_map: dict, root: Path) -> tuple[list[str] | None, list
             nodes |= contexts
         in_files = {n.split("::")[0] for n in nodes}
         picked = [f for f in files if f.split("::")[0] in in_files]
-        return picked, sorted(nodes), (f"{m}: lines {sorted(changed_lines(before, after))} ran in "
+        return picked, sorted(nodes), (f"{m}: lines {lines} ran in "
                                        f"{len(nodes)} test(s) of {len(picked)} file(s)")
     return None, [], "no core module differs from the map's copy: every file"
 
