@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from specchat.backends.base import Backend, Request, Sampling, Summary, run_to_summary
+from specchat.backends.speculative.replay import reference_scores
 from specchat.compare import MISMATCH, NEAR_TIE, Verdict, judge_text, judge_tokens, near_tie_margin
 from specchat.prompts import PromptItem
 
@@ -19,24 +20,6 @@ def torch_engine_of(backend: Backend):
         return backend
     target = getattr(backend, "target", None)
     return target if isinstance(target, TorchBackend) else None
-
-
-def reference_scores(engine, prompt: Sequence[int], reply: Sequence[int], sampling: Sampling):
-    """What target-only decoding maximised when it chose the token after prompt + reply: the
-    logits (greedy), or tempered, filtered logits plus that position's Gumbel noise. Recomputed
-    with exactly the arithmetic of target-only decoding: the prompt in one pass from an empty
-    cache, then one token per pass."""
-    from specchat.backends.native import sampling as sampler
-
-    engine.truncate(0)
-    logits = engine.prefill(list(prompt))
-    for pos, token in enumerate(reply, start=len(prompt)):
-        logits, _ = engine.forward([token], pos, all_logits=False)
-    position = len(prompt) + len(reply)
-    if sampling.greedy:
-        return logits[-1]
-    noise = sampler.gumbel_noise(sampling.seed, [position], logits.shape[-1], logits.device)
-    return (sampler.filtered_logits(logits[-1:], sampling) + noise)[0]
 
 
 def scores_function(reference: Backend, prompt: Sequence[int], ref_ids: Sequence[int],

@@ -7,12 +7,14 @@ code emitted a token its verify row did not choose (a bug). `verify_row_choice` 
 on the target, independently of the loop: the same prefill, then every verify block at its
 position with the drafts it verified, in the same arithmetic, each time keeping only what the
 run emitted, up to the pass that emitted token i; and returns the token that row chooses.
+`reference_scores` recomputes the other side: what target-only decoding maximised at a token.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from ..base import Sampling
+from ..native import sampling as sampler
 
 
 def verify_row_choice(target, prompt: Sequence[int], reply: Sequence[int], pass_log: Sequence[tuple[list[int], int]],
@@ -38,3 +40,19 @@ def verify_row_choice(target, prompt: Sequence[int], reply: Sequence[int], pass_
         emitted += count
         target.truncate(n + count - 1)  # the cache holds every committed token but the last
     raise AssertionError("unreachable: the index lies in the reply")
+
+
+def reference_scores(engine, prompt: Sequence[int], reply: Sequence[int], sampling: Sampling):
+    """What target-only decoding maximised when it chose the token after prompt + reply: the
+    logits (greedy), or tempered, filtered logits plus that position's Gumbel noise. Recomputed
+    with exactly the arithmetic of target-only decoding: the prompt in one pass from an empty
+    cache, then one token per pass."""
+    engine.truncate(0)
+    logits = engine.prefill(list(prompt))
+    for pos, token in enumerate(reply, start=len(prompt)):
+        logits, _ = engine.forward([token], pos, all_logits=False)
+    position = len(prompt) + len(reply)
+    if sampling.greedy:
+        return logits[-1]
+    noise = sampler.gumbel_noise(sampling.seed, [position], logits.shape[-1], logits.device)
+    return (sampler.filtered_logits(logits[-1:], sampling) + noise)[0]

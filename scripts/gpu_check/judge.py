@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from specchat.backends.base import Request, Sampling, Summary, run_to_summary
-from specchat.backends.native import sampling as sampler
-from specchat.backends.speculative.replay import verify_row_choice
+from specchat.backends.speculative.replay import reference_scores, verify_row_choice
 from specchat.compare import Verdict, judge_tokens, near_tie_margin
 
 
@@ -25,20 +24,6 @@ def fresh(backend):
     if engine is not None:
         engine.truncate(0)
     return backend
-
-
-def reference_scores(engine, prompt: Sequence[int], reply: Sequence[int], sampling: Sampling):
-    """What target-only decoding maximised at the token after prompt + reply, recomputed with its
-    arithmetic (as specchat/verify.py's reference_scores): the logits, or when sampling the
-    filtered tempered logits plus that position's Gumbel noise."""
-    engine.truncate(0)
-    logits = engine.prefill(list(prompt))
-    for pos, token in enumerate(reply, start=len(prompt)):
-        logits, _ = engine.forward([token], pos, all_logits=False)
-    if sampling.greedy:
-        return logits[-1]
-    noise = sampler.gumbel_noise(sampling.seed, [len(prompt) + len(reply)], logits.shape[-1], logits.device)
-    return (sampler.filtered_logits(logits[-1:], sampling) + noise)[0]
 
 
 def _scores(target, prompt: Sequence[int], ref: Summary, sampling: Sampling):
