@@ -197,33 +197,70 @@ def to_json(results: list[ProfileResult]) -> dict:
     return out
 
 
-def render(results: list[ProfileResult]):
-    """A rich table: one row per profile, then per-task decode tok/s (and speed-up)."""
+TASK_HEADERS = {"mt_bench": "mt-bench", "translation": "transl", "summarization": "summ", "math_reasoning": "math"}
+
+
+def tok_s(value: float) -> str:
+    """Decode tok/s in at most 5 characters: 8.3, 102.9, 1234."""
+    return f"{value:.0f}" if value >= 1000 else f"{value:.1f}"
+
+
+def ttft(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}ms" if seconds < 1 else f"{seconds:.2f}s"
+
+
+def compact_table(title: str, caption: str = ""):
+    """A table that reads in an 80-column terminal: a rule under the header, two spaces between columns."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title="specchat bench", show_lines=False)
-    for col in ("profile", "backend", "method", "prompts", "decode tok/s", "TTFT s", "accepted/pass", "tokens/pass",
-                "speed-up"):
-        table.add_column(col, justify="left" if col in ("profile", "backend", "method") else "right")
-    tasks = tasks_of(results)
-    for t in tasks if len(tasks) > 1 else []:
-        table.add_column(t, justify="right")
+    return Table(title=title, caption=caption or None, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                 padding=(0, 1, 0, 0), caption_justify="left", title_justify="left")
+
+
+def render(results: list[ProfileResult]):
+    """A rich table of one row per profile, then per-subtask speed-ups: 80 columns wide for names up to ~30."""
+    from rich.console import Group
+
+    backends = {r.profile.backend for r in results}
+    prompts = max((len(r.runs) for r in results), default=0)
+    title = f"specchat bench · {prompts} prompt{'s' * (prompts != 1)}"
+    if len(backends) == 1:
+        title += f" · {next(iter(backends))}"
+    main = compact_table(title, ("method (backend), as the backends differ · " if len(backends) > 1 else "") +
+                         "acc: tokens per pass that verified a draft · t/pass: tokens per target pass · "
+                         "speed-up: decode tok/s over its target-only reference's, same run")
+    main.add_column("profile", no_wrap=True)
+    main.add_column("method")  # the one column that wraps, at its spaces: "mtp:3 +lookup:4 (torch)"
+    for col in ("tok/s", "TTFT", "acc", "t/pass", "speed-up"):
+        main.add_column(col, justify="right", no_wrap=True)
     for r in results:
         sp = speedup(results, r)
         spec = r.profile.speculative
         method = r.profile.method if r.profile.method == "none" else f"{r.profile.method}:{spec.depth}"
         if spec.lookup:
-            method += f"+lookup:{spec.lookup}"
+            method += f" +lookup:{spec.lookup}"
         speculated = r.profile.method != "none"
         if r.profile.remote:  # the server's own speculation, and only what it reported
             method = r.profile.method_label
             speculated = any(run.summary.drafts for run in r.runs)
         per_pass = r.tokens_per_pass() if speculated else 0.0
-        cells = [r.label, r.profile.backend, method, str(len(r.runs)), f"{r.decode_tok_s():.1f}",
-                 f"{r.ttft_s():.3f}", f"{r.mean_accepted():.2f}" if speculated else "-",
-                 f"{per_pass:.2f}" if per_pass else "-", f"{sp:.2f}x" if sp else "-"]
-        for t in tasks if len(tasks) > 1 else []:
+        if len(backends) > 1:
+            method += f" ({r.profile.backend})"
+        main.add_row(r.label, method, tok_s(r.decode_tok_s()),
+                     ttft(r.ttft_s()), f"{r.mean_accepted():.2f}" if speculated else "-",
+                     f"{per_pass:.2f}" if per_pass else "-", f"{sp:.2f}x" if sp else "-")
+    tasks = tasks_of(results)
+    if len(tasks) < 2:
+        return main
+    by_task = compact_table("speed-up by subtask", "plain numbers: decode tok/s (rows without a reference)")
+    by_task.add_column("profile", no_wrap=True)
+    for t in tasks:
+        by_task.add_column(TASK_HEADERS.get(t, t), justify="right", no_wrap=True)
+    for r in results:
+        cells = []
+        for t in tasks:
             tsp = speedup(results, r, t)
-            cells.append(f"{r.decode_tok_s(t):.1f}" + (f" ({tsp:.2f}x)" if tsp else ""))
-        table.add_row(*cells)
-    return table
+            cells.append(f"{tsp:.2f}x" if tsp else tok_s(r.decode_tok_s(t)))
+        by_task.add_row(r.label, *cells)
+    return Group(main, "", by_task)

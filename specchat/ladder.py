@@ -122,18 +122,24 @@ def to_json(ladder: Ladder) -> dict:
 def render(ladder: Ladder):
     """A rich table plus bar charts of accepted tokens per pass and speed-up per depth."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=f"specchat ladder · {ladder.rungs[0][1].profile.name.rsplit('@', 1)[0]}")
-    for col in ("depth", "accepted/pass", "acceptance by position", "pass cost", "decode tok/s", "speed-up"):
-        table.add_column(col, justify="left" if col == "acceptance by position" else "right")
-    table.add_row("0 (target-only)", "1.00", "", "1.00", f"{ladder.reference.decode_tok_s():.1f}", "1.00x")
+    from specchat.bench import compact_table, tok_s
+
+    table = compact_table(f"specchat ladder · {ladder.rungs[0][1].profile.name.rsplit('@', 1)[0]}",
+                          "acc/pass: tokens per pass that verified a draft · by position: % of drafts accepted at "
+                          "position 1, 2, … · pass cost: see below")
+    table.add_column("depth", no_wrap=True)
+    table.add_column("acc/pass", justify="right", no_wrap=True)
+    table.add_column("by position %", min_width=13)  # the one column that wraps, between its numbers
+    for col in ("pass cost", "tok/s", "speed-up"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_row("target-only", "1.00", "", "1.00", tok_s(ladder.reference.decode_tok_s()), "1.00x")
     best = ladder.best_depth()
     for d, r in ladder.rungs:
-        pos = " ".join(f"{a:.2f}" for a in r.acceptance_by_position())
+        pos = " ".join(f"{a:.0%}".rstrip("%") for a in r.acceptance_by_position())
         sp = f"{ladder.speedup(r):.2f}x"
-        table.add_row(str(d), f"{r.mean_accepted():.2f}", pos, f"{ladder.pass_cost(r):.2f}", f"{r.decode_tok_s():.1f}",
+        table.add_row(str(d), f"{r.mean_accepted():.2f}", pos, f"{ladder.pass_cost(r):.2f}", tok_s(r.decode_tok_s()),
                       f"[bold green]{sp}[/]" if d == best else sp)
     width = 40
     top_acc = max(r.mean_accepted() for _, r in ladder.rungs) or 1.0
@@ -161,69 +167,5 @@ def render(ladder: Ladder):
     if d == 1 and drafted_every_pass and r.acceptance_by_position() and ladder.pass_cost(r) > 1:
         verdict.append(f", so the drafted token must be accepted more than {ladder.pass_cost(r) - 1:.0%} of the time "
                        f"to pay (measured: {r.acceptance_by_position()[0]:.0%})")
-    return Group(table, chart, verdict)
+    return Group(table, "", chart, verdict)
 
-
-def write_plot(ladder: Ladder, path: str) -> None:
-    """SVG written directly; PNG through matplotlib when it is installed."""
-    depths = [d for d, _ in ladder.rungs]
-    acc = [r.mean_accepted() for _, r in ladder.rungs]
-    sp = [ladder.speedup(r) for _, r in ladder.rungs]
-    if path.lower().endswith(".png"):
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            raise BackendError("--plot FILE.png needs matplotlib (pip install matplotlib); "
-                               "or write an .svg, which needs nothing") from None
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(depths, acc, "o-", label="accepted tokens / pass")
-        ax.plot(depths, sp, "s-", label="speed-up vs target-only")
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set_xlabel("draft depth")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return
-    if not path.lower().endswith(".svg"):
-        raise BackendError(f"--plot {path}: give a .svg or .png file name")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(svg_chart(depths, {"accepted tokens / pass": acc, "speed-up vs target-only": sp}))
-
-
-def svg_chart(xs: list[int], series: dict[str, list[float]], w: int = 560, h: int = 320) -> str:
-    """A small line chart: one polyline per series, a dashed line at 1.0, labelled axes."""
-    left, right, top, bottom = 48, 16, 40, 40
-    ymax = max(max(v) for v in series.values()) * 1.1 or 1.0
-    x0, x1 = min(xs), max(xs)
-
-    def px(x: float) -> float:
-        return left + (x - x0) / ((x1 - x0) or 1) * (w - left - right)
-
-    def py(y: float) -> float:
-        return h - bottom - y / ymax * (h - top - bottom)
-
-    colors = ["#1f77b4", "#2ca02c", "#d62728", "#9467bd"]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
-           f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="black"/>',
-           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="black"/>',
-           f'<line x1="{left}" y1="{py(1.0):.1f}" x2="{w - right}" y2="{py(1.0):.1f}" stroke="grey" '
-           'stroke-dasharray="4 3"/>',
-           f'<text x="{(left + w - right) / 2}" y="{h - 8}" text-anchor="middle">draft depth</text>']
-    for x in xs:
-        out.append(f'<text x="{px(x):.1f}" y="{h - bottom + 16}" text-anchor="middle">{x}</text>')
-    for i in range(5):
-        y = ymax * i / 4
-        out.append(f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.1f}</text>')
-    for n, (name, ys) in enumerate(series.items()):
-        c = colors[n % len(colors)]
-        pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys))
-        out.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="2"/>')
-        out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{c}"/>' for x, y in zip(xs, ys)]
-        out.append(f'<text x="{left + 8 + 220 * n}" y="{top - 16}" fill="{c}">— {name}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"

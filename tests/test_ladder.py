@@ -1,4 +1,5 @@
 import json
+from xml.etree import ElementTree
 
 import pytest
 
@@ -32,8 +33,10 @@ def test_ladder_measures_every_depth_against_target_only(tiny_mtp_profile, tmp_p
         assert r["tokens_per_pass"] == pytest.approx(r["mean_accepted"], abs=0.5)
         assert r["pass_cost"] == pytest.approx(r["tokens_per_pass"] / r["speedup"])
     assert out["best_depth"] in (1, 2, 3) and out["reference"]["prompts"] == 2
-    svg = plot.read_text()
-    assert svg.startswith("<svg") and svg.count("<polyline") == 2
+    svg = ElementTree.parse(plot).getroot()  # drawn by matplotlib: both lines, the legend naming them
+    texts = {t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")}
+    assert {"accepted tokens per pass", "speed-up vs target-only", "draft depth (tokens drafted per pass)"} <= texts
+    assert {"1", "2", "3"} <= texts  # the depths, as integer ticks
 
 
 def test_ladder_renders_a_table_and_chart(tiny_mtp_profile, tmp_path, capsys):

@@ -5,6 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from specchat.help_text import subcommand
 from specchat.profiles import get_profile
 from specchat.train import BATCH_DTYPES
 from specchat.train.settings import (DFlashTrainConfig, DraftTrainConfig, MtpTrainConfig, add_training_flags,
@@ -81,10 +82,10 @@ def cmd_cost(args) -> int:
 
 
 def add_train_parser(sub) -> None:
-    tp = sub.add_parser("train", help="train a draft model for a target (distillation data, then the drafter)")
+    tp = sub.add_parser("train", **subcommand("train"))
     tsub = tp.add_subparsers(dest="train_command", required=True)
 
-    p = tsub.add_parser("prompts", help="let the target write training prompts itself (Magpie): varied, no dataset")
+    p = tsub.add_parser("prompts", **subcommand("train prompts"))
     p.add_argument("--target", default="smollm2", help="target profile (an instruction-tuned model)")
     p.add_argument("--out", required=True, help="jsonl file to append to (resumable: a run stops at --count)")
     p.add_argument("--count", type=int, default=1000, help="prompts wanted in the file (default 1000)")
@@ -98,7 +99,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--threads", type=int, help="override the profile's threads")
     p.set_defaults(func=cmd_prompts)
 
-    p = tsub.add_parser("data", help="let the target answer training prompts; store replies and top-k probabilities")
+    p = tsub.add_parser("data", **subcommand("train data"))
     p.add_argument("--target", default="smollm2", help="target profile (torch backend)")
     p.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
                    help="prompt files (self-instruct jsonl, {\"prompt\": ...} jsonl or text); never Spec-Bench")
@@ -121,7 +122,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--threads", type=int, help="override the profile's threads (1 is fastest on a busy machine)")
     p.set_defaults(func=cmd_data)
 
-    p = tsub.add_parser("draft", help="train a small Llama draft model on `train data` output")
+    p = tsub.add_parser("draft", **subcommand("train draft"))
     add_training_flags(p, DraftTrainConfig(), "model")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--hidden", type=int, default=256)
@@ -132,7 +133,7 @@ def add_train_parser(sub) -> None:
                    help="keep the projected target embedding (and tied head) fixed; trains only the layers")
     p.set_defaults(func=cmd_draft)
 
-    p = tsub.add_parser("mtp", help="train an MTP head on the target's own hidden states (`train data` output)")
+    p = tsub.add_parser("mtp", **subcommand("train mtp"))
     add_training_flags(p, MtpTrainConfig(), "head")
     p.add_argument("--top-k", type=int, default=32, help="target probabilities kept per entry (default 32)")
     p.add_argument("--draft-vocab", type=int, default=8192,
@@ -143,8 +144,7 @@ def add_train_parser(sub) -> None:
                    help="weight of the second drafting step's loss (the head fed its own output); 0: off")
     p.set_defaults(func=cmd_mtp)
 
-    p = tsub.add_parser("dflash", help="train a DFlash block drafter (uses the target's hidden states, embedding "
-                                       "and head) on `train data` output")
+    p = tsub.add_parser("dflash", **subcommand("train dflash"))
     add_training_flags(p, DFlashTrainConfig(), "drafter")
     p.add_argument("--layers", type=int, default=1, help="draft layers (hidden size and heads are the target's)")
     p.add_argument("--ffn", type=int, default=0, help="MLP size of the draft layers (default: the target's)")
@@ -157,7 +157,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--gamma", type=float, default=4.0, help="loss weight of block position k: exp(-(k-1)/gamma)")
     p.set_defaults(func=cmd_dflash)
 
-    p = tsub.add_parser("cost", help="measure per-token cost of drafter shapes next to the target's")
+    p = tsub.add_parser("cost", **subcommand("train cost"))
     p.add_argument("--target", default="smollm2")
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--hidden", type=int, nargs="+", default=[128, 192, 256])

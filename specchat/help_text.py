@@ -1,0 +1,134 @@
+"""What `specchat --help` and every subcommand's `--help` say: what it is, and commands that work as
+typed with the shipped profiles (`specchat profiles` lists them; the default model is smollm2)."""
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = """\
+specchat is a terminal chat for local LLMs that shows whether speculative
+decoding makes a model faster without changing its output. Every reply streams
+with its speed; an A/B view runs the same prompt speculatively and target-only
+side by side; `specchat verify` checks token for token that a draft method
+changed nothing, and `specchat bench` measures what it gained."""
+
+EPILOG = """\
+examples (the first three commands):
+  chat with the default model (SmolLM2-135M, fetched once):
+    specchat
+  check, token for token, that prompt-lookup drafting changes no output:
+    specchat verify -p smollm2-ngram
+  measure what it gains on this machine:
+    specchat bench -p smollm2 -p smollm2-ngram
+
+more:
+  specchat profiles              the profiles: engine, draft method, model
+  specchat ab -p smollm2-mtp     A/B view: MTP drafting against target-only
+  specchat COMMAND --help        a command's options and examples
+
+exit codes: 0 ok, 1 a mismatch or a runtime failure, 2 a usage or configuration
+error (one line saying what to fix)"""
+
+EPILOGS = {
+    "chat": """\
+examples:
+  specchat                          the chat on the default profile (smollm2)
+  specchat chat -p smollm2-ngram    the chat with prompt-lookup drafting
+keys: Enter send · Esc stop · F2 profile · F3 A/B view · Ctrl+T token colours""",
+    "ab": """\
+examples:
+  specchat ab -p smollm2-ngram             prompt lookup against target-only
+  specchat ab -p smollm2-mtp -r smollm2    MTP against a named reference""",
+    "repl": """\
+examples:
+  specchat repl                   the REPL on the default profile
+  specchat repl -p smollm2-mtp    with MTP drafting
+inside: /profile, /ab, /verify, /system, /save, /stats, /exit""",
+    "run": """\
+examples:
+  specchat run "Explain speculative decoding in one sentence."
+  specchat run -p smollm2-ngram --stats "Write a haiku about a fast computer."
+  echo "What is 17 * 23?" | specchat run -p smollm2-mtp --json""",
+    "profiles": """\
+examples:
+  specchat profiles           the table (* the default; broken ones and why)
+  specchat profiles --json    every field of every profile, as JSON""",
+    "pull": """\
+examples:
+  specchat pull                                  fetch the default model
+  specchat pull smollm2-135m-instruct --force    fetch it again""",
+    "bench": """\
+examples:
+  specchat bench -p smollm2 -p smollm2-ngram
+  specchat bench -p smollm2-ngram -p smollm2-mtp --max-tokens 128
+  specchat bench -p smollm2-mtp --prompts question.jsonl --limit 12 --json
+(question.jsonl: Spec-Bench's prompts, or any jsonl or text file; speed-ups
+are against target-only, measured in the same run)""",
+    "ladder": """\
+examples:
+  specchat ladder -p smollm2-ngram --depths 1-6
+  specchat ladder -p smollm2-dflash --depths 1-3 --plot ladder.png
+  specchat ladder -p smollm2-mtp --depths 1,2,4 --plot ladder.svg""",
+    "verify": """\
+examples:
+  specchat verify -p smollm2-ngram
+  specchat verify -p smollm2-mtp --prompts question.jsonl --limit 20
+  specchat verify -p smollm2-draft -r smollm2 --json
+(exit 0: identical, or floating-point near-ties only; exit 1: a mismatch)""",
+    "train": """\
+examples (prompts, the target's replies to them, a drafter; docs/training.md):
+  specchat train prompts --out runs/prompts.jsonl --count 200
+  specchat train data --prompts runs/prompts.jsonl --out runs/data
+  specchat train mtp --data runs/data --out runs/my-mtp --steps 600""",
+    "train prompts": """\
+examples:
+  specchat train prompts --target smollm2 --out runs/prompts.jsonl --count 200""",
+    "train data": """\
+examples:
+  specchat train data --prompts runs/prompts.jsonl --out runs/data
+  specchat train data --prompts runs/prompts.jsonl --out runs/data --batch 48""",
+    "train draft": """\
+examples:
+  specchat train draft --data runs/data --out runs/my-draft --steps 300
+  specchat train draft --data runs/data --out runs/my-draft --layers 2 \\
+      --hidden 192 --steps 300""",
+    "train mtp": """\
+examples:
+  specchat train mtp --target smollm2 --data runs/data --out runs/my-mtp""",
+    "train dflash": """\
+examples:
+  specchat train dflash --data runs/data --out runs/my-dflash --block-size 4""",
+    "train cost": """\
+examples:
+  specchat train cost --target smollm2 --layers 1 2 --hidden 128 192 256""",
+}
+
+SUMMARIES = {
+    "chat": "open the chat (the default command)",
+    "ab": "A/B split view: speculative vs target-only",
+    "repl": "plain line REPL",
+    "run": "one prompt, streamed to stdout",
+    "profiles": "list profiles with their method and model",
+    "pull": "fetch a named model into the cache",
+    "bench": "measure decode speed, acceptance and speed-up over a prompt set",
+    "ladder": "one speculative profile at every draft depth: acceptance, speed-up, plateau",
+    "verify": "check that speculative output equals target-only output, token for token",
+    "train": "train a draft model for a target (distillation data, then the drafter)",
+    "train prompts": "let the target write training prompts itself (Magpie): varied, no dataset",
+    "train data": "let the target answer training prompts; store replies and top-k probabilities",
+    "train draft": "train a small Llama draft model on `train data` output",
+    "train mtp": "train an MTP head on the target's own hidden states (`train data` output)",
+    "train dflash": "train a DFlash block drafter (uses the target's hidden states, embedding and head) on "
+                    "`train data` output",
+    "train cost": "measure per-token cost of drafter shapes next to the target's",
+}
+
+
+def subcommand(name: str) -> dict:
+    """add_parser keywords for subcommand `name` ("bench", "train mtp"): its one-line help, the same
+    line atop its own --help, and its examples below, kept as written."""
+    return {"help": SUMMARIES[name], "description": SUMMARIES[name], "epilog": EPILOGS[name],
+            "formatter_class": argparse.RawDescriptionHelpFormatter}
+
+
+def top_level() -> dict:
+    return {"description": DESCRIPTION, "epilog": EPILOG, "formatter_class": argparse.RawDescriptionHelpFormatter}
