@@ -11,6 +11,7 @@ import sys
 import threading
 from typing import Optional
 
+from specchat import help_text
 from specchat.backends.base import BackendError, Request, Summary
 from specchat.live import stats_line
 from specchat.profiles import DEFAULT_PROFILE, ProfileError, get_profile, load_profiles
@@ -76,7 +77,9 @@ def _run_line(label: str, r) -> str:
 def cmd_run(args) -> int:
     from specchat.loading import load_backend, messages_for, sampling_of
 
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    from specchat.stdin_text import StdinText
+
+    prompt = args.prompt if args.prompt is not None else StdinText().read()
     if not prompt.strip():
         raise UsageError("empty prompt: pass it as an argument or on stdin")
     profile = _overridden(get_profile(args.profile), args)
@@ -123,25 +126,15 @@ def cmd_run(args) -> int:
 
 def cmd_profiles(args) -> int:
     from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
+
+    from specchat import availability
 
     ps = load_profiles()
+    found = availability.classify(ps, probe_servers=not args.no_probe, unprobed="server not asked (--no-probe)")
     if args.json:
-        print(json.dumps({"profiles": {n: p.model_dump() for n, p in ps.profiles.items()}, "errors": ps.errors}))
-        return EXIT_OK
-    table = Table(title="profiles")
-    table.add_column("name", no_wrap=True)
-    for col in ("backend", "method", "model", "description"):
-        table.add_column(col)
-    for name, p in sorted(ps.profiles.items()):
-        method = p.method_label if p.remote else p.method if p.method == "none" else f"{p.method} (depth {p.speculative.depth})"
-        table.add_row(*map(escape, (name + (" *" if name == DEFAULT_PROFILE else ""), p.backend, method, p.model,
-                                     p.description)))
-    console = Console()
-    console.print(table)
-    for name, msg in sorted(ps.errors.items()):
-        console.print(f"[red]broken[/red] {escape(name)}: {escape(msg)}", highlight=False, soft_wrap=True)
+        print(json.dumps(availability.as_json(ps, found)))
+    else:
+        availability.print_listing(Console(), found, wide=args.wide)
     return EXIT_OK
 
 
@@ -188,12 +181,13 @@ def cmd_bench(args) -> int:
 
 def cmd_ladder(args) -> int:
     from rich.console import Console
-
     from rich.markup import escape
 
-    from specchat import ladder
+    from specchat import ladder, plot
 
     depths = ladder.parse_depths(args.depths)
+    if args.plot and (problem := plot.plot_problem(args.plot)):
+        raise UsageError(problem)
     profile = _overridden(get_profile(args.profile), args)
     ladder.check(profile)
     prompts = _prompt_set(args)
@@ -202,8 +196,8 @@ def cmd_ladder(args) -> int:
     result = ladder.run_ladder(profile, depths, prompts,
                                on_run=lambda label, r: console.print(escape(_run_line(label, r)), highlight=False))
     if args.plot:
-        ladder.write_plot(result, args.plot)
-        console.print(f"chart written to {args.plot}")
+        plot.write_ladder_plot(result, args.plot)
+        console.print(f"chart written to {escape(args.plot)}", highlight=False)
     if args.json:
         print(json.dumps(ladder.to_json(result)))
     else:
@@ -284,24 +278,24 @@ def cmd_repl(args) -> int:
 # ---------------------------------------------------------------------------- parser
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="specchat", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(prog="specchat", **help_text.top_level())
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = ap.add_subparsers(dest="command")
 
-    p = sub.add_parser("chat", help="open the chat (the default command)")
+    p = sub.add_parser("chat", **help_text.subcommand("chat"))
     p.add_argument("-p", "--profile")
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("ab", help="A/B split view: speculative vs target-only")
+    p = sub.add_parser("ab", **help_text.subcommand("ab"))
     p.add_argument("-p", "--profile", required=True)
     p.add_argument("-r", "--reference", help="reference profile (default: the same with speculation off)")
     p.set_defaults(func=cmd_ab)
 
-    p = sub.add_parser("repl", help="plain line REPL")
+    p = sub.add_parser("repl", **help_text.subcommand("repl"))
     p.add_argument("-p", "--profile")
     p.set_defaults(func=cmd_repl)
 
-    p = sub.add_parser("run", help="one prompt, streamed to stdout")
+    p = sub.add_parser("run", **help_text.subcommand("run"))
     p.add_argument("-p", "--profile")
     p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
     p.add_argument("--system", help="system prompt for this run")
@@ -310,16 +304,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("profiles", help="list profiles with their method and model")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("profiles", **help_text.subcommand("profiles"))
+    p.add_argument("--json", action="store_true", help="as JSON, with each profile's group and reason")
+    p.add_argument("--wide", action="store_true", help="descriptions too, and nothing cut to the terminal's width")
+    p.add_argument("--no-probe", action="store_true", help="do not ask servers whether they answer")
     p.set_defaults(func=cmd_profiles)
 
-    p = sub.add_parser("pull", help="fetch a named model into the cache")
+    p = sub.add_parser("pull", **help_text.subcommand("pull"))
     p.add_argument("name", nargs="?", default="smollm2-135m-instruct")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_pull)
 
-    p = sub.add_parser("bench", help="measure decode speed, acceptance and speed-up over a prompt set")
+    p = sub.add_parser("bench", **help_text.subcommand("bench"))
     p.add_argument("-p", "--profile", action="append", help="profile to run (repeatable)")
     _add_prompt_flags(p)
     _add_sampling_flags(p)
@@ -330,16 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("ladder", help="one speculative profile at every draft depth: acceptance, speed-up, plateau")
+    p = sub.add_parser("ladder", **help_text.subcommand("ladder"))
     p.add_argument("-p", "--profile", required=True, help="a speculative profile (e.g. smollm2-mtp)")
     p.add_argument("--depths", default="1-6", help="draft depths: a range like 1-6 or a list like 1,2,4 (default 1-6)")
     _add_prompt_flags(p)
-    p.add_argument("--plot", metavar="FILE", help="also write the chart as FILE.svg (or .png with matplotlib)")
+    p.add_argument("--plot", metavar="FILE", help="also draw the chart (matplotlib) into FILE: .png or .svg")
     p.add_argument("--json", action="store_true")
     _add_sampling_flags(p)
     p.set_defaults(func=cmd_ladder)
 
-    p = sub.add_parser("verify", help="check that speculative output equals target-only output, token for token")
+    p = sub.add_parser("verify", **help_text.subcommand("verify"))
     p.add_argument("-p", "--profile", required=True, help="the speculative profile")
     p.add_argument("-r", "--reference", help="reference profile (default: the same profile, speculation off)")
     _add_prompt_flags(p)

@@ -140,7 +140,7 @@ def test_cli_profiles_lists_good_and_broken(user_dir, capsys, monkeypatch):
     write(user_dir, "broken", "model: m\nbogus: 1\n")
     write(user_dir, "unclosed", "model: m\nstop: [a\n")
     write(user_dir, "beta", "extends: smollm2\ndescription: '[beta] [bold]my[/bold] test'\n")
-    assert cli.main(["profiles"]) == 0
+    assert cli.main(["profiles", "--wide"]) == 0  # descriptions only with --wide
     out = capsys.readouterr().out
     assert "smollm2" in out and "broken" in out and "bogus" in out
     # brackets are text, not rich markup: neither dropped nor an error

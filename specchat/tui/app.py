@@ -11,12 +11,14 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.screen import Screen
 
 from specchat.backends.base import Backend, BackendError, Summary
-from specchat import loading
+from specchat import availability, loading
+from specchat.availability import Availability
 from specchat.conversation import Conversation
 from specchat.history import History, HistoryError
 from specchat.live import one_line
 from specchat.profiles import Profile, ProfileError, ProfileSet, load_profiles
 from specchat.tui.chat_screen import ChatScreen
+from specchat.tui.widgets import PickerRow
 
 BackendLoader = Callable[[Profile], Backend]
 ENGINE_SWITCH_INTERVAL_S = 0.0005
@@ -25,6 +27,20 @@ ENGINE_SWITCH_INTERVAL_S = 0.0005
 def profile_line(p: Profile) -> str:
     method = p.method_label if p.remote else "target-only" if p.method == "none" else f"{p.method} (depth {p.speculative.depth})"
     return f"{method} · {p.backend} · {p.model}"
+
+
+def picker_rows(found: list[Availability]) -> list[PickerRow]:
+    """The profile picker's lines: a heading per group (here first), each profile with why it does
+    not run here; one that cannot run now is refused (a download is not: loading fetches it)."""
+    rows, group = [], None
+    for a in found:
+        if a.group != group:
+            group = a.group
+            rows.append(PickerRow(None, a.heading, style=a.colour))
+        line = profile_line(a.profile) if a.profile else "broken"
+        rows.append(PickerRow(a.name, line, a.reason, "dim" if a.group == "server" else a.colour,
+                              refused=not a.choosable, note=a.reason if a.group == "download" else ""))
+    return rows
 
 
 class ProfileCommands(Provider):
@@ -130,10 +146,16 @@ class SpecChatApp(App):
         from specchat.tui.widgets import ProfilePicker
 
         ps = self.profile_set()
-        rows = [(n, profile_line(p), True) for n, p in sorted(ps.profiles.items())]
-        rows += [(n, f"broken: {e}", False) for n, e in sorted(ps.errors.items())]
-        self.push_screen(ProfilePicker(rows, self.profile.name if self.profile else None),
-                         lambda name: name and self.switch_profile(name))
+        picker = ProfilePicker(picker_rows(availability.classify(ps, probe_servers=False)),
+                               self.profile.name if self.profile else None)
+        self.push_screen(picker, lambda name: name and self.switch_profile(name))
+        if any(p.remote for p in ps.profiles.values()):  # ask the servers without holding the picker up
+            self.run_worker(partial(self._probe_thread, picker, ps), thread=True, group="probe",
+                            exit_on_error=False, name="probe servers")
+
+    def _probe_thread(self, picker, ps: ProfileSet) -> None:
+        rows = picker_rows(availability.classify(ps))
+        self.call_from_thread(picker.show_rows, rows)
 
     def switch_profile(self, name: str, then_ab: bool = False) -> None:
         """Load a profile's backend in a thread worker; the previous one stays usable until it works."""
@@ -173,6 +195,7 @@ class SpecChatApp(App):
         old = self.backend
         self.profile, self.backend = profile, backend
         self.conv.set_profile(profile.name)
+        self.last_summary = self.chat.live = None  # the previous profile's figures are not this one's
         if old is not None and old is not backend:
             try:
                 old.close()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 
+from dataclasses import dataclass
 from typing import Optional
 
 from textual import events, on
@@ -175,11 +176,25 @@ class StatusBar(Horizontal):
 
 # ------------------------------------------------------------------------------ modals
 
+@dataclass(frozen=True)
+class PickerRow:
+    """One line of the profile picker: a profile, or (name None) the heading of a group."""
+
+    name: Optional[str]
+    line: str  # the heading, or what the profile runs (method · backend · model)
+    why: str = ""  # next to it: why it does not run here, or what it will do first
+    style: str = ""  # the colour of `why` (of the heading, for one)
+    refused: bool = False  # choosing it shows `why` instead of loading it
+    note: str = ""  # shown when it is chosen (e.g. the model it downloads first)
+
+
 class ProfilePicker(ModalScreen[Optional[str]]):
+    """Profiles group by group (the headings are disabled options); `show_rows` replaces them while
+    it is open (once the servers have answered)."""
+
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
 
-    def __init__(self, rows: list[tuple[str, str, bool]], current: Optional[str]):
-        """rows: (name, description line, usable)."""
+    def __init__(self, rows: list[PickerRow], current: Optional[str]):
         super().__init__()
         self.rows = rows
         self.current = current
@@ -187,22 +202,47 @@ class ProfilePicker(ModalScreen[Optional[str]]):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Label("Switch profile  (Enter: load · Esc: cancel)", classes="dialog-title")
-            options = []
-            for name, line, ok in self.rows:
-                mark = "●" if name == self.current else " "
-                label = Content.assemble(f"{mark} ", (name, "bold"), "  ", (line, "" if ok else "red"))
-                options.append(Option(label, id=name))
-            yield OptionList(*options, id="profile-list")
+            yield OptionList(*self._options(), id="profile-list")
+
+    def _options(self) -> list[Option]:
+        options = []
+        for row in self.rows:
+            if row.name is None:
+                options.append(Option(Content.styled(row.line, f"bold {row.style}"), disabled=True))
+                continue
+            mark = "●" if row.name == self.current else " "
+            why = ("\n    ", (row.why, row.style)) if row.why else ()  # on a line of its own, indented
+            options.append(Option(Content.assemble(f"{mark} ", (row.name, "bold"), "  ", row.line, *why), id=row.name))
+        return options
+
+    def _highlight(self, name: Optional[str]) -> None:
+        names = [row.name for row in self.rows]
+        index = names.index(name) if name in names else next((i for i, n in enumerate(names) if n), None)
+        self.query_one(OptionList).highlighted = index
 
     def on_mount(self) -> None:
+        self._highlight(self.current)
+
+    def show_rows(self, rows: list[PickerRow]) -> None:
+        """Replace the rows, the highlighted profile kept."""
+        if not self.is_attached:
+            return
         ol = self.query_one(OptionList)
-        for i, (name, _, _) in enumerate(self.rows):
-            if name == self.current:
-                ol.highlighted = i
+        keep = ol.highlighted_option.id if ol.highlighted_option is not None else self.current
+        self.rows = rows
+        ol.clear_options()
+        ol.add_options(self._options())
+        self._highlight(keep)
 
     @on(OptionList.OptionSelected)
     def _picked(self, event: OptionList.OptionSelected) -> None:
-        self.dismiss(event.option.id)
+        row = next(r for r in self.rows if r.name == event.option.id)
+        if row.refused:
+            self.app.notify(row.why, title=f"{row.name} cannot run now", severity="warning", timeout=10)
+            return
+        if row.note:
+            self.app.notify(row.note, title=row.name, timeout=8)
+        self.dismiss(row.name)
 
 
 class SystemPromptModal(ModalScreen[Optional[str]]):
