@@ -30,6 +30,9 @@ class Conversation:
         self.system: Optional[str] = None
         self.id: Optional[int] = None
         self.version = 0  # bumped on every change, so views know when to redraw
+        # the first message the model still sees; earlier ones were left out to fit the context
+        # (context_window.py), and stay here and in history
+        self.context_start = 0
 
     def _save(self, fn: Callable[[], object]) -> None:
         if self.history is None:
@@ -53,15 +56,31 @@ class Conversation:
         if self.id is not None:
             self._save(lambda: self.history.add_message(self.id, role, content, profile or self.profile, stats))
 
-    def pop_assistant(self) -> Optional[str]:
-        """Drop the last reply (to regenerate or replace it)."""
-        if not self.messages or self.messages[-1]["role"] != "assistant":
+    def _pop(self, role: str) -> Optional[str]:
+        if not self.messages or self.messages[-1]["role"] != role:
             return None
         msg = self.messages.pop()
         self.version += 1
+        self.context_start = min(self.context_start, self._last_user_index())
         if self.id is not None:
-            self._save(lambda: self.history.delete_last_assistant(self.id))
+            self._save(lambda: self.history.delete_last(self.id, role))
         return msg["content"]
+
+    def pop_assistant(self) -> Optional[str]:
+        """Drop the last reply (to regenerate or replace it)."""
+        return self._pop("assistant")
+
+    def pop_user(self) -> Optional[str]:
+        """Drop a user turn that got no reply (it failed): it does not stay in the conversation."""
+        return self._pop("user")
+
+    def _last_user_index(self) -> int:
+        return next((i for i in range(len(self.messages) - 1, -1, -1) if self.messages[i]["role"] == "user"), 0)
+
+    @property
+    def in_context(self) -> list[dict]:
+        """The messages the model sees: from `context_start` on (context_window.py moves it)."""
+        return self.messages[self.context_start:]
 
     def set_system(self, system: Optional[str]) -> None:
         self.system = system or None
@@ -77,6 +96,7 @@ class Conversation:
     def reset(self) -> None:
         self.messages = []
         self.id = None
+        self.context_start = 0
         self.version += 1
 
     def open(self, conversation_id: int) -> None:
@@ -86,6 +106,7 @@ class Conversation:
         self.messages = conv.as_history()
         self.system = conv.system
         self.id = conv.id
+        self.context_start = 0
         self.version += 1
 
     @property

@@ -148,11 +148,12 @@ class History:
     def set_profile(self, conversation_id: int, profile: str) -> None:
         self.db.execute("UPDATE conversations SET profile = ? WHERE id = ?", (profile, conversation_id))
 
-    def delete_last_assistant(self, conversation_id: int) -> None:
-        """For regenerate: the last reply is replaced, not kept twice."""
+    def delete_last(self, conversation_id: int, role: str) -> None:
+        """The conversation's last message, if it has `role`: a regenerated reply is replaced, not
+        kept twice; a user turn that got no reply does not stay."""
         self.db.execute(
             "DELETE FROM messages WHERE id = (SELECT id FROM messages WHERE conversation_id = ? "
-            "ORDER BY id DESC LIMIT 1) AND role = 'assistant'", (conversation_id,))
+            "ORDER BY id DESC LIMIT 1) AND role = ?", (conversation_id, role))
 
     def delete_conversation(self, conversation_id: int) -> None:
         self.db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))

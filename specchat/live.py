@@ -190,3 +190,19 @@ def speculation_figures(live: LiveStats, remote: bool, positions: int = 8) -> st
     if live.acceptance_by_position:
         text += f" │ by pos {positions_line(live.acceptance_by_position, positions)}"
     return text
+
+
+# Fewer decoded tokens than this on either side and a speed-up is noise (a 10-token reply read
+# x1.80, then x2.80 for the same prompt): it is shown as too short to time instead.
+MIN_TIMED_TOKENS = 32
+
+
+def speedup_line(spec: Summary, ref: Summary) -> Optional[str]:
+    """The speculative run's decode speed-up over the reference, once both decoded enough to time."""
+    if not (spec.decode_tok_s and ref.decode_tok_s):
+        return None
+    fewest = min(spec.tokens, ref.tokens) - 1  # decode speed counts the tokens after the first
+    if fewest < MIN_TIMED_TOKENS:
+        return f"speed-up: too short to time ({fewest} decoded tokens, {MIN_TIMED_TOKENS} needed)"
+    return (f"speed-up ×{spec.decode_tok_s / ref.decode_tok_s:.2f} "
+            f"(decode tok/s {spec.decode_tok_s:.1f} vs {ref.decode_tok_s:.1f})")

@@ -116,6 +116,8 @@ class Profile(_Strict):
     device: str = "auto"
     threads: int = Field(0, ge=0)  # 0: all physical cores
     context: int = Field(2048, ge=16)
+    # a conversation that outgrows `context`: leave out its oldest turns (drop_oldest) or refuse the turn
+    context_policy: Literal["drop_oldest", "refuse"] = "drop_oldest"
     compile: bool = False  # torch: torch.compile the decode passes (CPU: int4/bfloat16; first start compiles)
     system: Optional[str] = None
     sampling: SamplingConfig = SamplingConfig()

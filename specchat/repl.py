@@ -3,14 +3,15 @@
 One PromptSession with a FileHistory at an absolute path; slash commands with completion;
 replies are written straight to stdout while no prompt is active (prompt-toolkit's
 patch_stdout would hold text back until a newline); stats live in the bottom toolbar.
-Ctrl-C stops a reply and stays; Ctrl-D exits.
+Ctrl-C stops a reply and stays; Ctrl-D exits. Standard input that is a pipe or a file is read as
+plain lines instead (no prompt, no echo, no terminal warning): `printf 'hi\n' | specchat repl`.
 """
 from __future__ import annotations
 
 import queue
 import sys
 import threading
-from typing import Callable, Optional, TextIO
+from typing import Callable, Iterator, Optional, TextIO
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import WordCompleter
@@ -19,10 +20,12 @@ from prompt_toolkit.history import FileHistory, InMemoryHistory
 from specchat.backends.base import Backend, BackendError, Request, Summary
 from specchat import loading, paths
 from specchat.compare import near_tie_margin
+from specchat.context_window import fit_request
 from specchat.conversation import Conversation
 from specchat.history import History, HistoryError
-from specchat.live import Failed, Item, one_line, pump, stats_line
+from specchat.live import Failed, Item, one_line, pump, speedup_line, stats_line
 from specchat.profiles import Profile, ProfileError, load_profiles
+from specchat.stdin_text import StdinText
 from specchat.verify import fresh, judge_replies, tie_margin_of, torch_engine_of
 
 COMMANDS = {
@@ -41,7 +44,7 @@ COMMANDS = {
 class Repl:
     def __init__(self, profile_name: str, *, loader: Optional[Callable[[Profile], Backend]] = None,
                  input=None, output=None, out: Optional[TextIO] = None, history: History | None | bool = True,
-                 history_file: Optional[str] = None):
+                 history_file: Optional[str] = None, lines: Optional[Iterator[str]] = None):
         self.loader = loader or (lambda p: loading.load_backend(p))
         self.out = out or sys.stdout
         self.profile: Optional[Profile] = None
@@ -58,6 +61,13 @@ class Repl:
                 self.say(f"note: {e}")
                 history = None
         self.conv = Conversation(history or None, profile_name, on_error=lambda m: self.say(f"note: {m}"))
+        if lines is None and input is None and not sys.stdin.isatty():
+            lines = StdinText().lines()
+        self.lines = lines  # plain lines from a pipe or a file; None: an interactive prompt
+        self.initial = profile_name
+        self.session: Optional[PromptSession] = None
+        if lines is not None:
+            return
         hist_path = history_file or str((paths.data_dir() / "repl_history").resolve())
         try:
             line_history = FileHistory(hist_path)
@@ -69,7 +79,6 @@ class Repl:
             complete_while_typing=True,
             bottom_toolbar=self.toolbar,
             input=input, output=output)
-        self.initial = profile_name
 
     # -------------------------------------------------------------------- output
     def say(self, line: str) -> None:
@@ -108,6 +117,7 @@ class Repl:
             self.backend.close()
         self._drop_reference()
         self.profile, self.backend = profile, backend
+        self.last = self.last_request = None  # the previous profile's figures are not this one's
         self.conv.set_profile(profile.name)
         self.say(f"[{profile.name}: {profile.method_label} · {profile.model}]")
         return True
@@ -167,8 +177,17 @@ class Repl:
             self.say("error: no model loaded: /profile NAME")
             return
         self.conv.add("user", prompt)
-        request = Request(messages=loading.messages_for(self.profile, self.conv.messages, self.conv.system))
+        try:
+            request, note = fit_request(self.backend, self.profile, self.conv)
+        except BackendError as e:  # the turn does not fit: it is refused and does not stay
+            self.conv.pop_user()
+            self.say(f"error: {e}")
+            return
+        if note:
+            self.say(f"[{note}]")
         summary, text = self.stream(self.backend, request)
+        if summary is None and not text:  # it failed before a word: the turn does not stay
+            self.conv.pop_user()
         if summary is not None and summary.stop_reason == "cancelled":
             self.say("[stopped: the reply so far is kept]")
         if text:
@@ -196,10 +215,8 @@ class Repl:
         ref.text = ref.text or ref_text
         v = judge_replies(ref_backend, request, ref, spec, loading.sampling_of(self.profile), tie,
                           other_backend=self.backend)
-        line = f"verdict: {v.line()}"
-        if spec.decode_tok_s and ref.decode_tok_s:
-            line += f" · speed-up ×{spec.decode_tok_s / ref.decode_tok_s:.2f}"
-        self.say(line)
+        speedup = speedup_line(spec, ref)
+        self.say(f"verdict: {v.line()}" + (f" · {speedup}" if speedup else ""))
 
     # ------------------------------------------------------------------ commands
     def command(self, line: str) -> bool:
@@ -254,13 +271,22 @@ class Repl:
         return True
 
     # ---------------------------------------------------------------------- loop
+    def read_line(self) -> str:
+        if self.session is not None:
+            return self.session.prompt("› ")
+        line = next(self.lines, None)
+        if line is None:
+            raise EOFError
+        return line
+
     def run(self) -> int:
         if not self.load(self.initial):
             return 2
-        self.say("type a message; /help for commands; Ctrl-C stops a reply; Ctrl-D exits")
+        if self.session is not None:
+            self.say("type a message; /help for commands; Ctrl-C stops a reply; Ctrl-D exits")
         while True:
             try:
-                line = self.session.prompt("› ")
+                line = self.read_line()
             except KeyboardInterrupt:
                 continue
             except EOFError:

@@ -35,8 +35,10 @@ class ScriptedBackend(Backend):
     name = "scripted"
 
     def __init__(self, replies: Sequence[str], accept: Sequence[int] | None = None, depth: int = 4,
-                 delay: float = 0.0, first_delay: float = 0.0, fail_with: str | None = None, ids: bool = True):
+                 delay: float = 0.0, first_delay: float = 0.0, fail_with: str | None = None, ids: bool = True,
+                 context: int = 4096):
         self.replies = list(replies)
+        self.context = context
         self.accept = list(accept) if accept else None
         self.depth = depth
         self.delay = delay
@@ -48,7 +50,7 @@ class ScriptedBackend(Backend):
 
     @property
     def context_length(self) -> int:
-        return 4096
+        return self.context
 
     def tokenize_chat(self, messages) -> list[int]:
         return [piece_id(p) for m in messages for p in pieces_of(f"{m['role']}: {m['content']}\n")]
@@ -61,7 +63,7 @@ class ScriptedBackend(Backend):
         if self.fail_with:
             raise BackendError(self.fail_with)
         reply = self.replies[min(len(self.requests) - 1, len(self.replies) - 1)]
-        stats = StreamStats(prompt_tokens=len(self.prompt_ids(request)))
+        stats = StreamStats(prompt_tokens=len(self.checked_prompt(request)))  # refused past the context
         toks = [piece_id(p) for p in pieces_of(reply)][:sampling.max_tokens]
         i, n = 0, 0
         if self.first_delay:

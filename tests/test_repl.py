@@ -136,3 +136,37 @@ def test_ctrl_c_stops_reply_and_stays(profiles):
     finally:
         signal.signal(signal.SIGINT, previous)
         cm.__exit__(None, None, None)
+
+
+def test_a_conversation_that_outgrows_the_context_keeps_answering(profiles):
+    reply = "a reply of exactly ten words to every single question asked"
+    spec = ScriptedBackend([reply], context=160)
+    questions = [f"question number {i} asks about something else entirely" for i in range(40)]
+    repl, out, rc = run({"spec": spec}, "".join(q + "\n" for q in questions) + "/exit\n")
+    assert rc == 0 and "error" not in out
+    assert out.count(reply) == 40  # every turn answered
+    notes = [line for line in out.splitlines() if "left out" in line]
+    assert notes and all("history keeps them" in n for n in notes)
+    assert len(notes) < 20  # the cut leaves room for several turns, not one
+    for request in spec.requests:  # every prompt fit, with the newest question last
+        assert len(spec.prompt_ids(request)) + 40 <= 160
+    assert spec.requests[-1].messages[-1]["content"] == questions[-1]
+    saved = History().load(repl.conv.id).messages
+    assert len(saved) == 80 and saved[0].content == questions[0]  # history keeps everything
+
+
+def test_a_message_too_long_for_the_context_is_refused_and_does_not_stay(profiles):
+    spec = ScriptedBackend(["short answer"], context=64)
+    repl, out, rc = run({"spec": spec}, "hello\n" + "word " * 80 + "\nhello again\n/exit\n")
+    assert rc == 0
+    (refusal,) = [line for line in out.splitlines() if line.startswith("error:")]
+    assert "this message is" in refusal and "64-token context" in refusal
+    assert [m["content"] for m in repl.conv.messages] == ["hello", "short answer", "hello again", "short answer"]
+    assert [m.content for m in History().load(repl.conv.id).messages] == [
+        "hello", "short answer", "hello again", "short answer"]
+
+
+def test_a_turn_that_fails_does_not_stay(profiles):
+    spec = ScriptedBackend(["x"], fail_with="the server went away")
+    repl, out, rc = run({"spec": spec}, "hello\n/exit\n")
+    assert "error: the server went away" in out and repl.conv.messages == []

@@ -16,19 +16,21 @@ from typing import TYPE_CHECKING, Optional
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal
 from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import Footer, Label, Sparkline, Static
+from textual.widgets import Footer, Label, Static
 
-from specchat.backends.base import Backend, BackendError, Request, Summary
+from specchat.backends.base import Backend, BackendError, Summary
 from specchat.compare import IDENTICAL, Verdict, mark_and_colour, near_tie_margin
-from specchat.live import Failed, Item, LiveStats, one_line, format_rate, pump, speculation_figures
-from specchat.loading import messages_for, sampling_of
+from specchat.context_window import fit_ab_requests
+from specchat.live import Failed, Item, LiveStats, one_line, pump, speedup_line
+from specchat.loading import sampling_of
 from specchat.profiles import Profile, ProfileError, load_profiles
 from specchat.verify import fresh, judge_replies, tie_margin_of, torch_engine_of
 from specchat.tui.budget import RenderBudget
-from specchat.tui.widgets import ChatInput, TokenText
+from specchat.tui.ab_pane import ABPane
+from specchat.tui.widgets import ChatInput
 
 if TYPE_CHECKING:
     from specchat.tui.app import SpecChatApp
@@ -36,62 +38,6 @@ if TYPE_CHECKING:
 FRAME_S = 1 / 30
 SEQUENTIAL_NOTE = "sequential: timings don't contend (Ctrl+G: race)"
 RACE_NOTE = "race: both run at once, timings contend (Ctrl+G: sequential)"
-
-
-class ABPane(Vertical):
-    def __init__(self, side: str, title: str):
-        super().__init__(id=f"pane-{side}", classes="ab-pane")
-        self.side = side
-        self.title_text = title
-        self.tokens = TokenText()
-        self.live: Optional[LiveStats] = None
-        self.summary: Optional[Summary] = None
-        self.failed: Optional[str] = None
-        self.diverge_at: Optional[int] = None
-        self.state = "idle"
-        self.remote = False  # its profile runs on a server: speculative figures arrive with the summary
-
-    def compose(self) -> ComposeResult:
-        yield Label(self.title_text, classes="ab-title", markup=False)
-        with VerticalScroll(classes="ab-body"):
-            yield Static("", classes="ab-text", markup=False)
-        yield Static("", classes="ab-stats", markup=False)
-        if self.side == "spec":
-            yield Sparkline([], classes="ab-spark")
-
-    def reset(self, state: str) -> None:
-        self.tokens = TokenText()
-        self.live = LiveStats()
-        self.summary = self.failed = self.diverge_at = None
-        self.state = state
-        self.render_text()
-        self.render_stats()
-
-    def render_text(self) -> None:
-        body = self.query_one(".ab-body", VerticalScroll)
-        follow = body.max_scroll_y - body.scroll_y <= 2
-        self.query_one(".ab-text", Static).update(
-            self.tokens.content(origin=self.side == "spec", diverge_at=self.diverge_at))
-        if follow:
-            body.scroll_end(animate=False)
-
-    def render_stats(self) -> None:
-        live = self.live
-        if self.failed:
-            self.query_one(".ab-stats", Static).update(Content.assemble(("failed: ", "bold red"), self.failed))
-            return
-        if live is None:
-            self.query_one(".ab-stats", Static).update(self.state)
-            return
-        ttft = live.ttft_s
-        passes = self.summary.passes if self.summary else live.passes
-        parts = [f"{self.state} │ TTFT {ttft:.2f}s" if ttft is not None else f"{self.state} │ TTFT –",
-                 f" │ {format_rate(live.tok_s)} tok/s │ {passes} passes"]
-        if self.side == "spec" or self.remote:
-            parts.append(speculation_figures(live, self.remote, 5))
-        self.query_one(".ab-stats", Static).update(Content.assemble(*parts))
-        if self.side == "spec" and not self.remote:
-            self.query_one(".ab-spark", Sparkline).data = live.per_pass[-60:]
 
 
 class ABScreen(Screen):
@@ -120,6 +66,7 @@ class ABScreen(Screen):
         self.can_choose = False
         self.budget = RenderBudget()
         self.pending_prompt: Optional[str] = None
+        self.context_start = 0  # where the conversation's cut lies once the running turn is added
 
     def compose(self) -> ComposeResult:
         self.spec_profile = self.app.profile
@@ -192,19 +139,24 @@ class ABScreen(Screen):
         if self.running:
             self.app.notify("still running: Esc stops both", severity="warning")
             return
-        event.input.clear()
         if not self.ready:
+            event.input.clear()
             self.pending_prompt = event.value.strip("\n")
             self.app.notify("the reference is still loading: the prompt runs as soon as it is ready")
             return
-        self.start(event.value.strip("\n"))
+        if self.start(event.value.strip("\n")):
+            event.input.clear()
 
-    def start(self, prompt: str) -> None:
+    def start(self, prompt: str) -> bool:
+        try:  # the oldest turns left out if the turn would not fit (the cut is the conversation's once it is added)
+            spec_req, ref_req, self.context_start, note = fit_ab_requests(
+                self.spec_backend, self.ref_backend, self.spec_profile, self.ref_profile, self.app.conv, prompt)
+        except BackendError as e:
+            self.app.notify(str(e), severity="error", timeout=10)
+            return False
+        if note:
+            self.app.notify(note, timeout=8)
         self.prompt = prompt
-        history = self.app.conv.messages + [{"role": "user", "content": prompt}]
-        system = self.app.conv.system
-        spec_req = Request(messages=messages_for(self.spec_profile, history, system))
-        ref_req = Request(messages=messages_for(self.ref_profile, history, system))
         sampling = sampling_of(self.spec_profile)  # both sides: same seed, same budget
         self.run_id += 1
         self.cancel = threading.Event()
@@ -300,6 +252,7 @@ class ABScreen(Screen):
         # continue the conversation with the reference reply (identical: either one)
         conv = self.app.conv
         conv.add("user", self.prompt)
+        conv.context_start = self.context_start
         conv.add("assistant", ref.tokens.text, profile=self.ref_profile.name)
         self.using = "reference"
         self.query_one("#ab-verdict", Static).update("judging…")
@@ -364,9 +317,9 @@ class ABScreen(Screen):
         spec, ref = self.panes["spec"].summary, self.panes["ref"].summary
         mark, colour = mark_and_colour(v)
         items = [(f"{mark} {v.line()}", f"bold {colour}".strip())]
-        if spec.decode_tok_s and ref.decode_tok_s:
-            items.append(f"  │ speed-up ×{spec.decode_tok_s / ref.decode_tok_s:.2f} (decode tok/s "
-                         f"{spec.decode_tok_s:.1f} vs {ref.decode_tok_s:.1f})")
+        speedup = speedup_line(spec, ref)
+        if speedup:
+            items.append(f"  │ {speedup}")
         if self.can_choose:
             items.append(f"\ncontinuing with the {self.using} reply (Ctrl+L: use the "
                          f"{'speculative' if self.using == 'reference' else 'reference'} one) · Esc: back to chat")

@@ -14,9 +14,10 @@ from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import Footer, LoadingIndicator
 
-from specchat.backends.base import Request, Summary
+from specchat.backends.base import BackendError, Request, Summary
+from specchat.context_window import fit_request
 from specchat.live import Failed, Item, LiveStats, format_rate, pump, speculation_figures, stats_line
-from specchat.loading import messages_for, sampling_of
+from specchat.loading import sampling_of
 from specchat.tui.budget import RenderBudget
 from specchat.tui.widgets import DRAFT_STYLE, AssistantMessage, ChatInput, StatusBar, UserMessage
 
@@ -142,16 +143,32 @@ class ChatScreen(Screen):
         if self.app.backend is None:
             self.app.notify("no model loaded yet: wait for it, or pick a profile with F2", severity="warning")
             return
-        event.input.clear()
         text = event.value.strip("\n")
         self.app.conv.add("user", text)
+        request = self._fit()
+        if request is None:  # refused: the turn does not stay, its text stays in the input
+            self.app.conv.pop_user()
+            return
+        event.input.clear()
         await self.query_one("#conversation").mount(UserMessage(text))
-        await self.start_reply()
+        await self.start_reply(request)
 
-    async def start_reply(self) -> None:
+    def _fit(self) -> Optional[Request]:
+        """The request for the next reply, the oldest turns left out if it would not fit (said in a
+        notification); None, with the reason shown, when it cannot be made to fit."""
+        app = self.app
+        try:
+            request, note = fit_request(app.backend, app.profile, app.conv)
+        except BackendError as e:
+            app.notify(str(e), severity="error", timeout=10)
+            return None
+        if note:
+            app.notify(note, timeout=8)
+        return request
+
+    async def start_reply(self, request: Request) -> None:
         app = self.app
         profile, backend = app.profile, app.backend
-        request = Request(messages=messages_for(profile, app.conv.messages, app.conv.system))
         self.generation += 1
         self.cancel = threading.Event()
         self.live = LiveStats()
@@ -211,8 +228,9 @@ class ChatScreen(Screen):
         app = self.app
         if isinstance(end, Failed):
             app.notify(end.message, severity="error", timeout=10)
-            if reply is not None and not reply.text:
+            if reply is not None and not reply.text:  # nothing came: the turn does not stay
                 await reply.remove()
+                await self._withdraw_turn()
                 return
             app.conv.add("assistant", reply.text, profile=self._reply_profile, stats={"error": end.message})
             self._shown_version = app.conv.version
@@ -227,6 +245,19 @@ class ChatScreen(Screen):
             await reply.finish(text, note=summary_note(end))
         else:
             await reply.remove()
+
+    async def _withdraw_turn(self) -> None:
+        """Take back a user turn that got no reply, its text into the input to send again."""
+        text = self.app.conv.pop_user()
+        if text is None:
+            return
+        users = self.query(UserMessage)
+        if users:
+            await users.last().remove()
+        self._shown_version = self.app.conv.version
+        prompt = self.query_one("#prompt", ChatInput)
+        if not prompt.text.strip():
+            prompt.text = text
 
     # ----------------------------------------------------------------------- actions
     def action_stop(self) -> None:
@@ -245,7 +276,9 @@ class ChatScreen(Screen):
             replies = self.query(AssistantMessage)
             if replies:
                 await replies.last().remove()
-        await self.start_reply()
+        request = self._fit()
+        if request is not None:
+            await self.start_reply(request)
 
     async def action_new_chat(self) -> None:
         if self.generating:
