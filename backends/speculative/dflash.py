@@ -34,7 +34,7 @@ from ..native.model import FINAL
 from ..native.sampling import probs
 from ..native.weights import (HF_LAYER_NAMES, build_layer, drafting_head, hf_layer, hf_names, layer_tensors,
                               safetensors_files)
-from .loop import Draft, Drafter
+from .loop import Draft, Drafter, common_prefix
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -297,6 +297,7 @@ class DFlashDrafter(Drafter):
         self.max_len = target.context_length
         self.cache = ContextCache(cfg, self.max_len, torch.float32, self.device)  # keys in the RoPE tables' dtype
         self.pending: list[Tensor] = []  # committed target features not yet in the cache
+        self.tokens: Sequence[int] = []  # the committed sequence the cached context belongs to
         self.sampling = Sampling()
 
     @property
@@ -310,12 +311,21 @@ class DFlashDrafter(Drafter):
     def _features(self, hidden: dict[int, Tensor]) -> Tensor:
         return torch.cat([hidden[k] for k in self.hidden_layers], dim=-1)
 
-    def start(self, prompt_ids, hidden, sampling: Sampling) -> None:
+    def reusable(self, prompt_ids) -> int:
+        return common_prefix(self.tokens[:self.cache.length], prompt_ids)
+
+    def start(self, prompt_ids, hidden, sampling: Sampling, reused: int = 0) -> None:
+        """Keeps the cached context of positions before `reused` (each position's keys and values
+        come from its own target features alone)."""
+        if reused > self.cache.length:
+            raise RuntimeError(f"DFlash drafter asked to reuse {reused} positions, holding {self.cache.length}")
         self.sampling = sampling
-        self.cache.length = 0
+        self.cache.length = reused
+        self.tokens = prompt_ids
         self.pending = [self._features(hidden)]
 
     def commit(self, tokens, hidden) -> None:
+        self.tokens = tokens
         self.pending.append(self._features(hidden))
 
     @torch.inference_mode()

@@ -49,9 +49,12 @@ class LookupFirst(Drafter):
         self.model_depth = depth
         return max(depth, self.lookup_depth, self.index.copy_depth)
 
-    def start(self, prompt_ids, hidden, sampling: Sampling) -> None:
+    def reusable(self, prompt_ids) -> int:
+        return self.model.reusable(prompt_ids)
+
+    def start(self, prompt_ids, hidden, sampling: Sampling, reused: int = 0) -> None:
         self.index.reset()
-        self.model.start(prompt_ids, hidden, sampling)
+        self.model.start(prompt_ids, hidden, sampling, reused)
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -90,7 +93,7 @@ class DraftModelDrafter(Drafter):
         self.want_q = want_q
         self.sampling = Sampling()
 
-    def start(self, prompt_ids, hidden, sampling: Sampling) -> None:
+    def start(self, prompt_ids, hidden, sampling: Sampling, reused: int = 0) -> None:
         self.sampling = sampling
 
     def propose(self, tokens: Sequence[int], depth: int) -> Draft:

@@ -55,8 +55,16 @@ class Drafter(ABC):
         (prompt lookup in a copying run) may set higher. The loop caps every proposal at it."""
         return depth
 
-    def start(self, prompt_ids: Sequence[int], hidden: dict[int, torch.Tensor], sampling: Sampling) -> None:
-        """A new request; `hidden` holds the target's states for the prompt positions."""
+    def reusable(self, prompt_ids: Sequence[int]) -> int:
+        """How many leading positions of a new request's prompt this drafter still holds state for,
+        from the requests before (a chat's next turn shares the conversation so far); the loop then
+        computes and hands over the target's hidden states from there on only. 0: none."""
+        return 0
+
+    def start(self, prompt_ids: Sequence[int], hidden: dict[int, torch.Tensor], sampling: Sampling,
+              reused: int = 0) -> None:
+        """A new request; `hidden` holds the target's states for the prompt positions from `reused`
+        on (at most `reusable(prompt_ids)`); the drafter keeps its state for the ones before."""
 
     @abstractmethod
     def propose(self, tokens: Sequence[int], depth: int) -> Draft:
@@ -139,8 +147,10 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
     layers = drafter.hidden_layers
     drafter.paused = frozenset()  # no source sits out unless the gate says so
     use_rejection = acceptance == "rejection" and not sampling.greedy
-    # Prefill: reuse the cached prefix unless the drafter needs hidden states of every prompt position.
-    start = 0 if layers else min(common_prefix(target.cached, prompt), len(prompt) - 1)
+    # Prefill: reuse the cached prefix, as far as the drafter still holds what it needs of it.
+    start = min(common_prefix(target.cached, prompt), len(prompt) - 1)
+    if layers:
+        start = min(start, drafter.reusable(prompt))
     stats = StreamStats(prompt_tokens=len(prompt), prefill_start=start)
     if cancel is not None and cancel.is_set():  # as target-only decoding: nothing is run
         yield stats.finish(STOP_CANCELLED, "")
@@ -149,7 +159,7 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
     state, hidden = target.forward(prompt[start:], start, layers, all_logits=False, head=False)
     first = int(target.choose(state[-1:], [len(prompt)], sampling)[0])
     tokens = list(prompt) + [first]
-    drafter.start(prompt, hidden, sampling)
+    drafter.start(prompt, hidden, sampling, start)
 
     def emit(new: list[int], draft: list[int], accepted: int, row_exact: bool) -> tuple[Optional[Step], bool]:
         """The pass's tokens up to any end-of-sequence token; a pass that only ends the reply

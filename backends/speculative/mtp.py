@@ -16,7 +16,7 @@ from ..base import Sampling
 from ..native.model import FINAL
 from ..native.mtp import MtpHead
 from ..native.sampling import probs, sample
-from .loop import Draft, Drafter
+from .loop import Draft, Drafter, common_prefix
 
 HIDDEN_SOURCES = ("post_norm", "pre_norm")
 
@@ -37,15 +37,26 @@ class MtpDrafter(Drafter):
         self.states = torch.empty(head.layers[0]["cache"].max_len, dim, device=head.target.device)
         self.n_states = 0  # target hidden states held, for positions 0..n_states-1
         self.entries = 0  # real head entries in the cache
+        self.tokens: Sequence[int] = []  # the committed sequence the states belong to
         self.sampling = Sampling()
 
-    def start(self, prompt_ids, hidden, sampling: Sampling) -> None:
+    def reusable(self, prompt_ids) -> int:
+        return common_prefix(self.tokens[:self.n_states], prompt_ids)
+
+    def start(self, prompt_ids, hidden, sampling: Sampling, reused: int = 0) -> None:
+        """Keeps the states of positions before `reused` and the head entries made only of them
+        (entry t pairs h[t] with x[t+1])."""
+        if reused > self.n_states:
+            raise RuntimeError(f"MTP drafter asked to reuse {reused} positions, holding {self.n_states}")
         self.sampling = sampling
-        self.n_states = self.entries = 0
-        self.head.reset()
+        self.n_states, self.entries = reused, min(self.entries, max(reused - 1, 0))
+        if not self.entries:
+            self.head.reset()
+        self.tokens = prompt_ids
         self._add(hidden[self.key])
 
     def commit(self, tokens, hidden) -> None:
+        self.tokens = tokens
         self._add(hidden[self.key])
 
     def _add(self, h: torch.Tensor) -> None:
