@@ -1,9 +1,13 @@
 """What the engines ask of the CPU: how many threads to run, and whether it multiplies bfloat16 natively."""
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+
+log = logging.getLogger(__name__)
+_noted: set[tuple[int, int]] = set()  # (requested, cores) already said in this process
 
 
 def physical_cores() -> int:
@@ -24,8 +28,18 @@ def physical_cores() -> int:
 
 
 def thread_count(threads: int = 0) -> int:
-    """The torch threads to run: `threads`, or every physical core for 0."""
-    return threads or physical_cores()
+    """The threads to run (torch's or llama.cpp's): `threads`, every physical core for 0, and never
+    more than the physical cores: more only contend for them (a 64-thread run on 2 cores decodes
+    ~15x slower). A capped request is said once per process, one line as a logging warning
+    (printed bare on stderr where the app configures no logging)."""
+    cores = physical_cores()
+    if threads > cores:
+        if (threads, cores) not in _noted:
+            _noted.add((threads, cores))
+            log.warning("threads: %d requested, this machine has %d physical core%s: using %d",
+                        threads, cores, "s" * (cores != 1), cores)
+        return cores
+    return threads or cores
 
 
 def native_bfloat16() -> bool:

@@ -2,7 +2,17 @@
 table of known models."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..base import BackendError
+
+# the config.json keys the engine cannot do without, and what it builds from each
+REQUIRED = {"vocab_size": "the embeddings and the output head", "hidden_size": "every layer's width",
+            "num_hidden_layers": "the layer stack", "num_attention_heads": "the attention layers",
+            "intermediate_size": "the MLP layers"}
+COMPLETE = "is this a complete Hugging Face model directory? fix the file or download the model again"
 
 
 @dataclass
@@ -32,23 +42,67 @@ class ModelConfig:
         return self.rotary_dim or self.head_dim
 
     @classmethod
-    def from_hf(cls, c: dict) -> "ModelConfig":
+    def from_hf(cls, c: dict, source: str = "config.json") -> "ModelConfig":
+        """`source`: the file `c` came from, named in the BackendError for a key it lacks."""
         c = c.get("text_config", c)
+        if not isinstance(c, dict):
+            raise BackendError(f"{source}: `text_config` is not an object; {COMPLETE}")
         arch = c.get("model_type", "llama")
-        n_heads = c["num_attention_heads"]
-        head_dim = c.get("head_dim") or c["hidden_size"] // n_heads
+
+        def count(key: str, default: int | None = None) -> int:
+            return hf_count(c, key, source, default)
+
+        n_heads = count("num_attention_heads")
+        head_dim = count("head_dim", 0) or count("hidden_size") // n_heads
         partial = float(c.get("partial_rotary_factor") or (c.get("rope_parameters") or {}).get("partial_rotary_factor")
                         or 1.0)
         return cls(
-            vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
-            n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads, head_dim=head_dim,
-            ffn_dim=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-6),
+            vocab_size=count("vocab_size"), dim=count("hidden_size"), n_layers=count("num_hidden_layers"),
+            n_heads=n_heads, n_kv_heads=count("num_key_value_heads", 0) or n_heads, head_dim=head_dim,
+            ffn_dim=count("intermediate_size"), norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(c), rope_scaling=_rope_scaling(c),
-            max_position=c.get("max_position_embeddings", 4096),
+            max_position=count("max_position_embeddings", 4096),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=bool(c.get("attention_bias", arch in ("qwen2", "mimo"))),
             qk_norm=arch.startswith("qwen3"), arch=arch,
             rotary_dim=0 if partial >= 1.0 else int(head_dim * partial))
+
+
+def read_hf_json(path: Path) -> dict:
+    """A model directory's config.json as a dict; one that is missing, unreadable or not a JSON
+    object is a BackendError naming the file."""
+    file = Path(path) / "config.json"
+    try:
+        c = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BackendError(f"{path}: no config.json; {COMPLETE}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BackendError(f"{file}: could not be read ({type(e).__name__}: {e}); check the file") from None
+    except json.JSONDecodeError as e:
+        raise BackendError(f"{file} is not valid JSON ({e}); {COMPLETE}") from None
+    if not isinstance(c, dict):
+        raise BackendError(f"{file} holds a JSON {type(c).__name__}, not an object; {COMPLETE}")
+    return c
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    """A model directory's shape, from its config.json."""
+    return ModelConfig.from_hf(read_hf_json(path), source=str(Path(path) / "config.json"))
+
+
+def hf_count(c: dict, key: str, source: str, default: int | None = None) -> int:
+    """`c[key]` as a positive whole number; absent (or null), `default`, or a BackendError naming
+    the file and the key when there is no default; any other value a BackendError."""
+    value = c.get(key)
+    if value is None and default is not None:
+        return default
+    why = f"the engine needs it to build {REQUIRED[key]}" if key in REQUIRED else "the engine reads it"
+    if value is None:
+        raise BackendError(f"{source} has no `{key}`: {why}; {COMPLETE}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BackendError(f"{source}: `{key}` is {json.dumps(value)}, not a whole number of 1 or more: {why}; "
+                           f"{COMPLETE}")
+    return value
 
 
 def _rope_theta(c: dict) -> float:

@@ -123,7 +123,8 @@ def read_index(path: Path, cache_dir: Path | None = None) -> GgufIndex:
     return index
 
 
-def config_from_gguf(index: GgufIndex) -> ModelConfig:
+def config_from_gguf(index: GgufIndex, source: str = "the GGUF") -> ModelConfig:
+    """`source`: the file, named in the BackendError for a metadata field it lacks."""
     arch = index.field("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise BackendError(f"GGUF architecture '{arch}' is not supported by the torch engine "
@@ -132,18 +133,27 @@ def config_from_gguf(index: GgufIndex) -> ModelConfig:
     def a(key, default=None):
         return index.field(f"{arch}.{key}", default)
 
+    def count(key: str, default: int | None = None) -> int:
+        """A whole-number field of 1 or more; a missing or wrongly typed one is a BackendError."""
+        value = a(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BackendError(f"{source}: metadata `{arch}.{key}` is {'missing' if value is None else repr(value)}, "
+                               "the torch engine needs a whole number of 1 or more there; is the file complete? "
+                               "convert or download it again")
+        return value
+
     names = set(index.tensors)
-    n_heads = int(a("attention.head_count"))
-    dim = int(a("embedding_length"))
+    n_heads = count("attention.head_count")
+    dim = count("embedding_length")
     vocab = a("vocab_size") or index.field(_VOCAB_COUNT, 0)
     scaling = None
     if a("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
     return ModelConfig(
-        vocab_size=int(vocab), dim=dim, n_layers=int(a("block_count")), n_heads=n_heads,
-        n_kv_heads=int(a("attention.head_count_kv", n_heads)),
-        head_dim=int(a("attention.key_length", dim // n_heads)),
-        ffn_dim=int(a("feed_forward_length")), norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
+        vocab_size=int(vocab), dim=dim, n_layers=count("block_count"), n_heads=n_heads,
+        n_kv_heads=count("attention.head_count_kv", n_heads),
+        head_dim=count("attention.key_length", dim // n_heads),
+        ffn_dim=count("feed_forward_length"), norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=scaling,
         max_position=int(a("context_length", 4096)), tie_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names, arch=arch)
@@ -180,7 +190,7 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 def load_gguf(path: Path, keep_int4: bool = False, cache_dir: Path | None = None) -> Checkpoint:
     index = read_index(path, cache_dir)
-    cfg = config_from_gguf(index)
+    cfg = config_from_gguf(index, str(path))
     tensors = index.tensors
     int4_types = ("Q4_0", "Q4_1")
 

@@ -22,7 +22,6 @@ The decoder layer inside is read with the main model's layer names; what the eng
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..base import BackendError
-from .config import ModelConfig
+from .config import ModelConfig, read_hf_json
 from .int4 import int4_if_fits, quantize_layer
 from .layers import RMSNorm, decoder_layer, rope_tables
 from .linear import Linear
@@ -116,7 +115,7 @@ def read_mtp(path: Path, cfg: ModelConfig) -> MtpWeights:
                            "`drafter:` to an MTP head directory (e.g. one made by `specchat train mtp`)")
     if not (path / "config.json").exists():
         raise BackendError(f"{path}: no config.json; an MTP head is a safetensors directory with its config")
-    config = json.loads((path / "config.json").read_text())
+    config = read_hf_json(path)
     where = safetensors_files(path)
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in where) else "model."
     layout = detect_layout(set(where), cfg.n_layers, prefix)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..base import BackendError
 from . import argmax_head
-from .config import ModelConfig
+from .config import ModelConfig, read_hf_config
 from .int4 import Int4Rows, Matrix, int4_linear
 from .layers import DecoderLayer, decoder_layer
 from .linear import Linear
@@ -115,7 +115,7 @@ def safetensors_files(path: Path) -> dict[str, Path]:
 def load_hf_dir(path: Path) -> Checkpoint:
     from safetensors import safe_open
 
-    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    cfg = read_hf_config(path)
     where = safetensors_files(path)
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in where) else "model."
     # an MTP head inside the checkpoint is read by backends/native/mtp.py when a profile asks for it
