@@ -32,6 +32,7 @@ class ProfileResult:
     runs: list[Run] = field(default_factory=list)
     reference: Optional[str] = None  # label of the target-only row this one is compared with
     load_s: float = 0.0
+    repeat: int = 1  # times each prompt was run; `runs` holds each prompt's median run (median_run)
 
     def subset(self, task: Optional[str]) -> list[Summary]:
         return [r.summary for r in self.runs if task is None or r.prompt.task == task]
@@ -113,19 +114,28 @@ def run_one(backend: Backend, profile: Profile, item: PromptItem) -> Run:
     return Run(item, run_to_summary(backend.stream(Request(messages=msgs), sampling_of(profile))))
 
 
+def median_run(tries: list[Run]) -> Run:
+    """The run of median decode tok/s (of an even count, the slower of the middle two): one real
+    run, so that its tokens, TTFT and acceptance stay together."""
+    return sorted(tries, key=lambda r: r.summary.decode_tok_s)[(len(tries) - 1) // 2]
+
+
 def bench(profiles: list[Profile], prompts: list[PromptItem],
           on_run: Callable[[str, Run], None] = lambda label, r: None,
           on_load: Callable[[str], None] = lambda label: None,
           extra_rows: Iterable[tuple[str, Callable[[], Backend], Profile]] = (),
-          interleave: bool = True) -> list[ProfileResult]:
+          interleave: bool = True, repeat: int = 1) -> list[ProfileResult]:
     """Measure every row on every prompt, never two at once (they would contend for the cores).
 
     Interleaved (the default), all rows are loaded and take turns prompt by prompt, so that a
     slow spell of a shared machine hits every row alike and the ratios stay fair. Sequential
-    loads one row at a time, for models too large to hold together."""
+    loads one row at a time, for models too large to hold together. `repeat`: each prompt runs
+    that many times per row (taking turns each time) and the row keeps its median run."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be 1 or more, not {repeat}")
     rows = [(label, (lambda p=p: load_backend(p)), p, ref) for label, p, ref in plan(profiles)]
     rows += [(label, factory, p, None) for label, factory, p in extra_rows]
-    results = [ProfileResult(label, profile, reference=ref) for label, _, profile, ref in rows]
+    results = [ProfileResult(label, profile, reference=ref, repeat=repeat) for label, _, profile, ref in rows]
     factories = [factory for _, factory, _, _ in rows]
 
     def load(res: ProfileResult, factory) -> Backend:
@@ -136,23 +146,29 @@ def bench(profiles: list[Profile], prompts: list[PromptItem],
         warm_up(backend, res.profile)
         return backend
 
-    def measure(res: ProfileResult, backend: Backend, item: PromptItem) -> None:
+    def measure(res: ProfileResult, backend: Backend, item: PromptItem, tries: list[Run]) -> None:
         run = run_one(backend, res.profile, item)
-        res.runs.append(run)
+        tries.append(run)
         on_run(res.label, run)
+        if len(tries) == repeat:
+            res.runs.append(median_run(tries))
 
     loaded: list[Backend] = []
     try:
         if interleave:
             loaded = [load(res, factory) for res, factory in zip(results, factories)]
             for item in prompts:
-                for res, backend in zip(results, loaded):
-                    measure(res, backend, item)
+                tries: list[list[Run]] = [[] for _ in results]
+                for _ in range(repeat):
+                    for res, backend, row_tries in zip(results, loaded, tries):
+                        measure(res, backend, item, row_tries)
         else:
             for res, factory in zip(results, factories):
                 loaded = [load(res, factory)]
                 for item in prompts:
-                    measure(res, loaded[0], item)
+                    row_tries: list[Run] = []
+                    for _ in range(repeat):
+                        measure(res, loaded[0], item, row_tries)
                 loaded.pop().close()
                 gc.collect()
     finally:
@@ -178,8 +194,12 @@ def tasks_of(results: list[ProfileResult]) -> list[str]:
     return seen
 
 
+def repeat_of(results: list[ProfileResult]) -> int:
+    return max((r.repeat for r in results), default=1)
+
+
 def to_json(results: list[ProfileResult]) -> dict:
-    out = {"rows": []}
+    out = {"repeat": repeat_of(results), "statistic": "median", "rows": []}
     for r in results:
         row = {
             "label": r.label, "backend": r.profile.backend, "method": r.profile.method,
@@ -227,7 +247,9 @@ def render(results: list[ProfileResult]):
     title = f"specchat bench · {prompts} prompt{'s' * (prompts != 1)}"
     if len(backends) == 1:
         title += f" · {next(iter(backends))}"
-    main = compact_table(title, ("method (backend), as the backends differ · " if len(backends) > 1 else "") +
+    repeat = repeat_of(results)
+    runs = (f"each prompt run {repeat} times, its median-tok/s run kept · " if repeat > 1 else "")
+    main = compact_table(title, runs + ("method (backend), as the backends differ · " if len(backends) > 1 else "") +
                          "acc: tokens per pass that verified a draft · t/pass: tokens per target pass · "
                          "speed-up: decode tok/s over its target-only reference's, same run")
     main.add_column("profile", no_wrap=True)

@@ -51,9 +51,18 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="override any profile field for this run, e.g. dtype=bfloat16 or speculative.depth=3")
 
 
+def _count(flag: str):
+    """An argparse `type=` for a count of 1 or more; anything else is a UsageError (one line, exit 2)."""
+    def parse(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < 1:
+            raise UsageError(f"{flag} {text}: expected a whole number of 1 or more (e.g. {flag} 3)")
+        return int(text)
+    return parse
+
+
 def _add_prompt_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", help="prompt file (Spec-Bench question.jsonl, jsonl or text)")
-    p.add_argument("--limit", type=int, help="at most N prompts, spread over the subtasks")
+    p.add_argument("--limit", type=_count("--limit"), help="at most N prompts, spread over the subtasks")
     p.add_argument("--category", action="append", help="only these categories / subtasks")
 
 
@@ -169,7 +178,7 @@ def cmd_bench(args) -> int:
         profiles, prompts, interleave=not args.sequential,
         on_load=lambda label: console.print(f"[bold]{label}[/bold]: loading…"),
         on_run=lambda label, r: console.print(escape(_run_line(label, r)), highlight=False),
-        extra_rows=extra)
+        extra_rows=extra, repeat=args.repeat)
     if args.json:
         print(json.dumps(bench.to_json(results)))
     else:
@@ -213,8 +222,8 @@ def cmd_verify(args) -> int:
 
     from specchat.compare import mark_and_colour
     from specchat.live import speculation_note
-    from specchat.loading import load_backend, messages_for, sampling_of
-    from specchat.verify import PromptCheck, check_prompt, summarize
+    from specchat.loading import load_backend, sampling_of
+    from specchat.verify import check_conversation, summarize
 
     spec_profile = _overridden(get_profile(args.profile), args)
     if spec_profile.remote and not args.reference:
@@ -227,16 +236,19 @@ def cmd_verify(args) -> int:
     spec = load_backend(spec_profile)
     reference = load_backend(get_profile(args.reference)) if args.reference else spec.target
     sampling = sampling_of(spec_profile)
-    checks: list[PromptCheck] = []
+    checks = []
+    turns = 1 if args.turns == "first" else 1_000
     try:
         for item in prompts:
-            request = Request(messages=messages_for(spec_profile, [{"role": "user", "content": item.first}]))
-            ref, out, verdict = check_prompt(spec, reference, request, sampling)
-            checks.append(PromptCheck(item, ref, out, verdict))
-            symbol, colour = mark_and_colour(verdict)
-            mark = f"[{colour}]{symbol}[/{colour}]" if colour else symbol
-            note = speculation_note(out)
-            console.print(f"{mark} {item.id} " + escape(f"[{item.task}] {verdict.line()}" + (f" · {note}" if note else "")))
+            for check, left_out in check_conversation(spec, reference, spec_profile, item, sampling, turns):
+                checks.append(check)
+                if left_out:
+                    console.print(escape(f"  {check.label}: {left_out}"))
+                symbol, colour = mark_and_colour(check.verdict)
+                mark = f"[{colour}]{symbol}[/{colour}]" if colour else symbol
+                note = speculation_note(check.speculative)
+                console.print(f"{mark} {check.label} " + escape(
+                    f"[{item.task}] {check.verdict.line()}" + (f" · {note}" if note else "")))
     finally:
         spec.close()
         if args.reference:
@@ -250,7 +262,8 @@ def cmd_verify(args) -> int:
         how = {True: " (strict verification)", None: "",
                False: " (verification not strict: floating-point near-ties may flip a token, and each near-tie is "
                       "a token the speculative run's own verify row chose)"}[strict]
-        print(f"{totals['prompts']} prompts: {totals['identical']} identical, {totals['near_ties']} near-ties, "
+        checked = f"{totals['prompts']} prompts" if turns == 1 else f"{totals['prompts']} turns of {len(prompts)} prompts"
+        print(f"{checked}: {totals['identical']} identical, {totals['near_ties']} near-ties, "
               f"{totals['mismatches']} mismatches{how}")
     return EXIT_RUNTIME if totals["mismatches"] else EXIT_OK
 
@@ -323,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load and measure one profile at a time (default: all loaded, taking turns per prompt)")
     p.add_argument("--transformers", action="append", metavar="DTYPE", choices=["float32", "bfloat16"],
                    help="add a transformers `generate` reference row in this dtype (repeatable)")
+    p.add_argument("--repeat", type=_count("--repeat"), default=1, metavar="N",
+                   help="run each prompt N times per profile and keep its median-speed run (default 1)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
@@ -339,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--profile", required=True, help="the speculative profile")
     p.add_argument("-r", "--reference", help="reference profile (default: the same profile, speculation off)")
     _add_prompt_flags(p)
+    p.add_argument("--turns", choices=["first", "all"], default="first",
+                   help="multi-turn prompts: check the first turn, or every turn as one conversation")
     p.add_argument("--json", action="store_true")
     _add_sampling_flags(p)
     p.set_defaults(func=cmd_verify)
@@ -349,9 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["chat", *(argv or sys.argv[1:])])
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            args = parser.parse_args(["chat", *(argv or sys.argv[1:])])
+    except UsageError as e:  # a flag's value its type= refused (_count)
+        _err(str(e))
+        return EXIT_USAGE
     debug = args.debug or bool(os.environ.get("SPECCHAT_DEBUG"))
     try:
         return args.func(args)

@@ -4,7 +4,7 @@ per prompt, identical or where they first differ, and whether that was a floatin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from specchat.backends.base import Backend, Request, Sampling, Summary, run_to_summary
 from specchat.backends.speculative.replay import reference_scores
@@ -126,9 +126,14 @@ class PromptCheck:
     reference: Summary
     speculative: Summary
     verdict: Verdict
+    turn: int = 1  # which user turn of the prompt's conversation
+
+    @property
+    def label(self) -> str:
+        return self.prompt.id if self.turn == 1 else f"{self.prompt.id}.{self.turn}"
 
     def as_dict(self) -> dict:
-        return {"id": self.prompt.id, "category": self.prompt.category, **self.verdict.as_dict(),
+        return {"id": self.prompt.id, "turn": self.turn, "category": self.prompt.category, **self.verdict.as_dict(),
                 "reference_tokens": self.reference.tokens, "speculative_tokens": self.speculative.tokens,
                 "mean_accepted": self.speculative.mean_accepted if self.speculative.spec_reported else None}
 
@@ -158,6 +163,29 @@ def check_prompt(spec: Backend, reference: Backend, request: Request, sampling: 
     ref = run_to_summary(fresh(reference).stream(request, sampling))
     out = run_to_summary(fresh(spec).stream(request, sampling))
     return ref, out, judge_replies(reference, request, ref, out, sampling, other_backend=spec)
+
+
+def check_conversation(spec: Backend, reference: Backend, profile, item: PromptItem, sampling: Sampling,
+                       turns: int = 1) -> Iterator[tuple[PromptCheck, Optional[str]]]:
+    """The prompt's first `turns` user turns as one conversation, each checked as `check_prompt`
+    does and continued with the reference's reply; the oldest turns are left out when the next one
+    would not fit, as in the chat (context_window.py). Yields each turn's check and the note saying
+    what was left out (None: nothing)."""
+    from specchat.context_window import fit_window
+    from specchat.loading import messages_for
+
+    system = messages_for(profile, [], None)
+    context = min(spec.context_length, reference.context_length)
+    history: list[dict] = []
+    start = 0
+    for turn, text in enumerate(item.turns[:turns], 1):
+        history.append({"role": "user", "content": text})
+        window = fit_window(lambda msgs: len(spec.tokenize_chat(msgs)), system, history, start, context,
+                            sampling.max_tokens, profile.context_policy)
+        start = window.start
+        ref, out, verdict = check_prompt(spec, reference, Request(messages=system + history[start:]), sampling)
+        yield PromptCheck(item, ref, out, verdict, turn), window.note(context)
+        history.append({"role": "assistant", "content": ref.text})
 
 
 def summarize(checks: list[PromptCheck]) -> dict:

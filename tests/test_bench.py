@@ -2,9 +2,14 @@ import json
 
 import pytest
 
-from specchat import bench, cli
+from rich.console import Console
+
+from specchat import bench, cli, loading
+from specchat.backends.base import Summary
 from specchat.profiles import load_profiles
+from specchat.prompts import PromptItem
 from tests.native.tiny import make_hf_checkpoint
+from tests.scripted import ScriptedBackend
 
 
 def test_speculative_profiles_get_their_target_only_reference():
@@ -55,3 +60,88 @@ def test_bench_measures_speedup_against_the_reference(tiny_spec_profile, tmp_pat
     assert spec["mean_accepted"] >= 1.0 and ref["speedup"] is None
     # every pass counts: target-only emits one token per pass, drafting at most mean_accepted
     assert ref["tokens_per_pass"] == 1.0 and 1.0 <= spec["tokens_per_pass"] <= spec["mean_accepted"]
+
+
+class Paced(ScriptedBackend):
+    """Scripted replies at set speeds: the k-th run of a prompt decodes at speeds[k] tok/s (TTFT
+    1/speed, so a row's figures show which run it kept); every run is logged as (label, prompt)."""
+
+    def __init__(self, label: str, speeds: list[float], log: list):
+        super().__init__(["one two three four five six"])
+        self.label, self.speeds, self.log = label, speeds, log
+
+    def stream(self, request, sampling, cancel=None):
+        prompt = request.messages[-1]["content"]
+        for ev in super().stream(request, sampling, cancel):
+            if isinstance(ev, Summary) and prompt != "Hi":  # "Hi": the warm-up
+                speed = self.speeds[sum(1 for lab, p in self.log if (lab, p) == (self.label, prompt))]
+                self.log.append((self.label, prompt))
+                ev.decode_s, ev.ttft_s = (ev.tokens - 1) / speed, 1 / speed
+            yield ev
+
+
+SPEEDS = {"smollm2": [10.0, 30.0, 20.0], "smollm2-ngram": [50.0, 40.0, 60.0]}  # medians 20 and 50
+
+
+@pytest.fixture
+def paced(monkeypatch):
+    log: list = []
+    monkeypatch.setattr(bench, "load_backend", lambda p: Paced(p.name, SPEEDS[p.name], log))
+    return log
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_repeat_runs_each_prompt_n_times_and_keeps_the_median_run(paced, interleave):
+    ps = load_profiles()
+    prompts = [PromptItem("1", ["first prompt"]), PromptItem("2", ["second prompt"])]
+    results = bench.bench([ps.get("smollm2"), ps.get("smollm2-ngram")], prompts, interleave=interleave, repeat=3)
+    rows = [("smollm2", p) for p in ("first prompt", "second prompt") for _ in range(3)]
+    spec = [("smollm2-ngram", prompt) for _, prompt in rows]
+    if interleave:  # the rows take turns on each run of each prompt
+        assert paced == [x for pair in zip(rows, spec) for x in pair]
+    else:
+        assert paced == rows + spec
+    ref, ngram = results
+    assert [len(r.runs) for r in results] == [2, 2]  # one kept run per prompt
+    assert [r.summary.ttft_s for r in ref.runs] == [1 / 20] * 2 and [r.summary.ttft_s for r in ngram.runs] == [1 / 50] * 2
+    out = bench.to_json(results)
+    assert out["repeat"] == 3 and out["statistic"] == "median"
+    by_label = {r["label"]: r for r in out["rows"]}
+    assert by_label["smollm2"]["decode_tok_s"] == pytest.approx(20.0)
+    assert by_label["smollm2-ngram"]["speedup"] == pytest.approx(2.5) and by_label["smollm2-ngram"]["prompts"] == 2
+    assert by_label["smollm2"]["tokens"] == 2 * 6  # the kept runs' tokens, not all six runs'
+    console = Console(record=True, width=100)
+    console.print(bench.render(results))
+    assert "each prompt run 3 times, its median-tok/s run kept" in console.export_text()
+
+
+def test_an_even_repeat_keeps_the_slower_middle_run():
+    runs = [bench.Run(PromptItem("1", ["x"]), Summary("eos", tokens=11, decode_s=10 / s)) for s in (4.0, 1.0, 3.0, 2.0)]
+    assert bench.median_run(runs).summary.decode_tok_s == pytest.approx(2.0)
+    assert bench.median_run(runs[:1]) is runs[0]
+
+
+def test_bench_repeat_from_the_command_line(paced, capsys):
+    assert cli.main(["bench", "-p", "smollm2", "-p", "smollm2-ngram", "--repeat", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["repeat"] == 3 and out["statistic"] == "median" and len(paced) == 2 * 2 * 3
+    assert [r["decode_tok_s"] for r in out["rows"]] == [pytest.approx(20.0), pytest.approx(50.0)]
+    paced.clear()
+    assert cli.main(["bench", "-p", "smollm2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["repeat"] == 1
+
+
+@pytest.mark.parametrize("argv", [["bench", "--limit", "-1"], ["bench", "--limit", "0"], ["bench", "--repeat", "0"],
+                                  ["bench", "--repeat=-2"], ["bench", "--repeat", "two"], ["verify", "--limit", "0"],
+                                  ["ladder", "--limit", "-1"]])
+def test_a_count_below_one_is_refused_before_anything_loads(argv, monkeypatch, capsys):
+    def no_loading(*_):
+        raise AssertionError("loaded a model")
+
+    monkeypatch.setattr(bench, "load_backend", no_loading)
+    monkeypatch.setattr(loading, "load_backend", no_loading)
+    assert cli.main([argv[0], "-p", "smollm2-ngram", *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    flag = argv[1].partition("=")[0]
+    assert err.startswith(f"specchat: error: {flag} ") and "whole number of 1 or more" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -91,3 +91,22 @@ def test_verify_says_whether_verification_was_strict(tiny_profile, isolated_dirs
     prompts.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["one two one two one two"]}) + "\n")
     assert cli.main(["verify", "-p", "tiny-ngram", "--prompts", str(prompts), "--max-tokens", "8"]) == 0
     assert how in capsys.readouterr().out
+
+
+def test_verify_checks_every_turn_of_a_conversation_that_outgrows_the_context(tiny_profile, isolated_dirs, tmp_path,
+                                                                              capsys):
+    """--turns all: each user turn in one conversation (continued with the reference's reply), the
+    oldest turns left out once they no longer fit, as in the chat."""
+    (isolated_dirs / "user-profiles" / "tiny-ngram.yaml").write_text(
+        "backend: torch\nmodel: ./tiny.gguf\ncontext: 96\nthreads: 2\nspeculative: {method: ngram, depth: 2}\n")
+    prompts = tmp_path / "p.jsonl"
+    turns = [f"turn {i}: one two three one two three one two three" for i in range(6)]
+    prompts.write_text(json.dumps({"question_id": 7, "category": "mt_bench", "turns": turns}) + "\n")
+    args = ["verify", "-p", "tiny-ngram", "--prompts", str(prompts), "--max-tokens", "12", "--turns", "all"]
+    assert cli.main(args + ["--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert [c["turn"] for c in out["prompts_checked"]] == [1, 2, 3, 4, 5, 6]
+    assert out["prompts"] == 6 and out["mismatches"] == 0
+    assert "7.4" in captured.err and "left out" in captured.err
+    assert cli.main(args[:-2]) == 0 and "1 prompts:" in capsys.readouterr().out  # the first turn only by default
