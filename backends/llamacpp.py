@@ -136,13 +136,22 @@ class LlamaCppBackend(Backend):
     def stream(self, request: Request, sampling: Sampling,
                cancel: threading.Event | None = None) -> Iterator[Event]:
         prompt = self.checked_prompt(request)
+        reused = self._reusable(prompt)
         self.llm.set_seed(sampling.seed)
         temp = sampling.temperature
         tokens = self.llm.generate(prompt, temp=temp, top_k=sampling.top_k if temp > 0 else 1,
                                    top_p=sampling.top_p, min_p=0.0, repeat_penalty=1.0)
         return decode_stream(tokens, prompt_tokens=len(prompt), sampling=sampling,
                              context_length=self.context_length, is_eos=self._is_eog, detokenize=self.detokenize,
-                             cancel=cancel)
+                             cancel=cancel, prefill_start=lambda: reused)
+
+    def _reusable(self, prompt: Sequence[int]) -> int:
+        """How many prompt tokens `Llama.generate` keeps from its cache: the longest common prefix
+        with what it evaluated before, less one when that covers the whole prompt (it re-runs the
+        last token for fresh logits), as llama-cpp-python's generate decides."""
+        held = self.llm.input_ids[:self.llm.n_tokens].tolist()
+        common = len(os.path.commonprefix([held, list(prompt)]))
+        return common - 1 if common == len(prompt) else common
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

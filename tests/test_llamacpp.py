@@ -1,3 +1,4 @@
+import os
 import threading
 
 import pytest
@@ -113,3 +114,18 @@ def test_real_default_model_answers(default_gguf):
         b.close()
     assert "Paris" in s.text
     assert s.decode_tok_s > 0 and s.ttft_s > 0
+
+
+def test_the_next_turn_reuses_the_cached_prefix_and_says_how_much(tiny, tiny_path):
+    first = run_to_summary(tiny.stream(Request(messages=CHAT), Sampling(max_tokens=8)))
+    held = list(tiny.llm.input_ids[:tiny.llm.n_tokens])
+    second = Request(messages=CHAT + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}])
+    prompt = tiny.tokenize_chat(second.messages)
+    out = run_to_summary(tiny.stream(second, Sampling(max_tokens=8)))
+    shared = len(os.path.commonprefix([held, prompt]))
+    assert out.prefill_start == shared > len(tiny.tokenize_chat(CHAT)) // 2
+    cold = LlamaCppBackend(tiny_path, context=128, threads=2)
+    try:
+        assert out.token_ids == run_to_summary(cold.stream(second, Sampling(max_tokens=8))).token_ids  # as a cold cache
+    finally:
+        cold.close()
