@@ -37,9 +37,13 @@ async def test_switch_profile_carries_conversation(profiles_dir):
         picker = app.screen
         names = [o.id for o in picker.query_one("#profile-list").options]
         assert {"spec", "plain", "broken", "noload"} <= set(names)
+        assert "tok/s" in str(app.chat.query_one("#status-text").render())  # spec's figures
         picker.dismiss("plain")
         await ready(pilot, app, "plain")
         assert spec.closed  # the previous model was released after the new one loaded
+        await pilot.pause()
+        status = str(app.chat.query_one("#status-text").render())
+        assert "plain" in status and "tok/s" not in status  # spec's figures are not plain's
         await type_and_send(pilot, "#prompt", "two")
         await wait_until(pilot, lambda: app.conv.last_reply == "from plain", what="reply 2")
         # the conversation carried over to the new profile
