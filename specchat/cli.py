@@ -221,8 +221,8 @@ def cmd_verify(args) -> int:
     from rich.markup import escape
 
     from specchat.compare import mark_and_colour
-    from specchat.live import speculation_note
-    from specchat.loading import load_backend, sampling_of
+    from specchat.live import peak_rss_bytes, speculation_note
+    from specchat.loading import load_backend, load_reference, sampling_of
     from specchat.verify import check_conversation, summarize
 
     spec_profile = _overridden(get_profile(args.profile), args)
@@ -234,7 +234,8 @@ def cmd_verify(args) -> int:
     prompts = _prompt_set(args)
     console = Console(stderr=True, highlight=False)
     spec = load_backend(spec_profile)
-    reference = load_backend(get_profile(args.reference)) if args.reference else spec.target
+    reference = load_reference(spec_profile, spec, get_profile(args.reference) if args.reference
+                               else spec_profile.target_only())  # on spec's own weights where it can
     sampling = sampling_of(spec_profile)
     checks = []
     turns = 1 if args.turns == "first" else 1_000
@@ -251,13 +252,13 @@ def cmd_verify(args) -> int:
                     f"[{item.task}] {check.verdict.line()}" + (f" · {note}" if note else "")))
     finally:
         spec.close()
-        if args.reference:
-            reference.close()
+        reference.close()
     totals = summarize(checks)
     strict = getattr(spec, "strict", None)  # None: a server or llama.cpp verifies its own way
     if args.json:
         print(json.dumps({"profile": spec_profile.name, "reference": args.reference or f"{spec_profile.name} (target-only)",
-                          "strict": strict, **totals, "prompts_checked": [c.as_dict() for c in checks]}))
+                          "strict": strict, "reference_shares_weights": getattr(reference, "shares_weights", False),
+                          "peak_rss_bytes": peak_rss_bytes(), **totals, "prompts_checked": [c.as_dict() for c in checks]}))
     else:
         how = {True: " (strict verification)", None: "",
                False: " (verification not strict: floating-point near-ties may flip a token, and each near-tie is "

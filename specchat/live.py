@@ -206,3 +206,21 @@ def speedup_line(spec: Summary, ref: Summary) -> Optional[str]:
         return f"speed-up: too short to time ({fewest} decoded tokens, {MIN_TIMED_TOKENS} needed)"
     return (f"speed-up ×{spec.decode_tok_s / ref.decode_tok_s:.2f} "
             f"(decode tok/s {spec.decode_tok_s:.1f} vs {ref.decode_tok_s:.1f})")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (the weights, caches and everything else it holds)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
+
+
+def memory_note(reference: Backend) -> Optional[str]:
+    """Peak memory and whether a torch reference shared the target's weights (None: not a torch engine)."""
+    shares = getattr(reference, "shares_weights", None)
+    if shares is None:
+        return None
+    shared = "the reference shares the target's weights" if shares else "the reference holds weights of its own"
+    return f"peak memory {peak_rss_bytes() / 2**30:.2f} GiB · {shared}"

@@ -30,6 +30,24 @@ def load_backend(profile: Profile) -> Backend:
     return load_target(profile)
 
 
+# What decides a torch target's arithmetic: two profiles equal in these run the same engine.
+ARITHMETIC_FIELDS = ("backend", "model", "dtype", "device", "threads", "context", "compile")
+
+
+def load_reference(spec: Profile, spec_backend: Backend, ref: Profile, load=None) -> Backend:
+    """The target-only reference of a run: on the run's own loaded weights, with a KV cache of its
+    own (backends/native/shared_weights.py), when it is the same model in the same arithmetic and
+    the engine allows it; else loaded as an engine of its own with `load` (load_backend)."""
+    from specchat.backends.native.engine import TorchBackend
+    from specchat.backends.native.shared_weights import SharedWeights, unshareable_reason
+
+    target = spec_backend if isinstance(spec_backend, TorchBackend) else getattr(spec_backend, "target", None)
+    same = ref.method == "none" and all(getattr(ref, f) == getattr(spec, f) for f in ARITHMETIC_FIELDS)
+    if same and isinstance(target, TorchBackend) and unshareable_reason(target) is None:
+        return SharedWeights(target)
+    return (load or load_backend)(ref)
+
+
 def target_path(profile: Profile) -> tuple[Path, str]:
     """The target's weights on this machine and their kind (gguf or hf_dir)."""
     return local_model(profile.model, profile.base_dir)

@@ -131,7 +131,7 @@ class Repl:
         if self.ref_backend is None:
             ref = self.profile.target_only()
             try:
-                self.ref_backend = self.loader(ref)
+                self.ref_backend = loading.load_reference(self.profile, self.backend, ref, self.loader)
             except (BackendError, ProfileError) as e:
                 self.say(f"error: reference failed to load: {e}")
                 return None

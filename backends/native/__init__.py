@@ -13,6 +13,7 @@
     argmax_head.py  the float32 head's argmax choice at an int8 head's cost
     mtp.py          MTP / nextn heads: reading the public layouts, and the head itself
     engine.py       TorchBackend: the streaming Backend plus what the speculative loop uses
+    shared_weights.py  SharedWeights: a second run on an engine's weights, with a KV cache of its own
 
 Position convention: logits row i of forward(tokens, start) predicts the token at absolute
 position start + i + 1, and sample() keys its noise by that position.

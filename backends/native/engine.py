@@ -104,6 +104,8 @@ class TorchBackend(Backend):
         self.tokenizer = ChatTokenizer(path, cache_dir)
         self.eos_ids: frozenset[int] = self.tokenizer.eos_ids
         self.cached: list[int] = []  # token ids whose keys/values are in the cache, in order
+        # held by every pass: a reference run on these weights (shared_weights.py) takes turns with it
+        self.turn = threading.RLock()
         if self.device.type == "cpu" and compile and self.precision in ROW_INVARIANT_PRECISIONS:
             self.model.use_compiled_rows()
             self.warm_up()
@@ -168,13 +170,14 @@ class TorchBackend(Backend):
         `row_exact_supported`. head=False: final hidden states instead of logits (see
         `head_logits` and `choose`).
         """
-        if start_pos < self.cache_len:
-            self.truncate(start_pos)
-        ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
-        t = torch.tensor([ids], dtype=torch.long, device=self.device)
-        logits, hidden = self.model(t, start_pos, hidden_layers, all_logits, row_exact, head)
-        self.cached[start_pos:] = ids
-        return logits, hidden
+        with self.turn:
+            if start_pos < self.cache_len:
+                self.truncate(start_pos)
+            ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
+            t = torch.tensor([ids], dtype=torch.long, device=self.device)
+            logits, hidden = self.model(t, start_pos, hidden_layers, all_logits, row_exact, head)
+            self.cached[start_pos:] = ids
+            return logits, hidden
 
     def head_logits(self, states: Tensor) -> Tensor:
         """Logits for rows of final hidden states from forward(..., head=False)."""
@@ -190,8 +193,14 @@ class TorchBackend(Backend):
         return self.model.verify_chunk(sampling)
 
     def truncate(self, n: int) -> None:
-        self.model.cache.truncate(n)
-        del self.cached[n:]
+        with self.turn:
+            self.model.cache.truncate(n)
+            del self.cached[n:]
+
+    @property
+    def shares_weights(self) -> bool:
+        """Whether this backend runs on another engine's weights (shared_weights.py)."""
+        return False
 
     def sample(self, logits: Tensor, positions: Sequence[int] | Tensor, sampling: Sampling) -> Tensor:
         return sampler.sample(logits, positions, sampling)

@@ -24,8 +24,8 @@ from textual.widgets import Footer, Label, Static
 from specchat.backends.base import Backend, BackendError, Summary
 from specchat.compare import IDENTICAL, Verdict, mark_and_colour, near_tie_margin
 from specchat.context_window import fit_ab_requests
-from specchat.live import Failed, Item, LiveStats, one_line, pump, speedup_line
-from specchat.loading import sampling_of
+from specchat.live import Failed, Item, LiveStats, memory_note, one_line, pump, speedup_line
+from specchat.loading import load_reference, sampling_of
 from specchat.profiles import Profile, ProfileError, load_profiles
 from specchat.verify import fresh, judge_replies, tie_margin_of, torch_engine_of
 from specchat.tui.budget import RenderBudget
@@ -101,7 +101,7 @@ class ABScreen(Screen):
     def _load_reference(self) -> None:
         try:
             ref = load_profiles().get(self.reference_name) if self.reference_name else self.spec_profile.target_only()
-            backend = self.app.loader(ref)
+            backend = load_reference(self.spec_profile, self.spec_backend, ref, self.app.loader)
         except (ProfileError, BackendError) as e:
             self.app.call_from_thread(self._ref_loaded, None, None, str(e))
             return
@@ -120,8 +120,9 @@ class ABScreen(Screen):
             return
         self.ref_profile, self.ref_backend = profile, backend
         self.query_one("#pane-ref", ABPane).remote = profile.remote
+        shared = " · on the target's weights" if getattr(backend, "shares_weights", False) else ""
         self.query_one("#pane-ref .ab-title", Label).update(
-            f"reference: {profile.name} ({profile.method_label}, {profile.backend})")
+            f"reference: {profile.name} ({profile.method_label}, {profile.backend}){shared}")
         if self.pending_prompt is not None:
             prompt, self.pending_prompt = self.pending_prompt, None
             self.start(prompt)
@@ -286,8 +287,9 @@ class ABScreen(Screen):
         ref.render_text()
         spec.render_text()
         self.can_choose = v.kind != IDENTICAL
+        memory = memory_note(self.ref_backend)
         self.query_one("#ab-header", Label).update(
-            f"A/B  ·  conversation so far: {len(self.app.conv.messages)} messages")
+            f"A/B  ·  conversation so far: {len(self.app.conv.messages)} messages" + (f"  ·  {memory}" if memory else ""))
         self.show_verdict()
 
     def judge(self, ref: Summary, spec: Summary) -> Verdict:
