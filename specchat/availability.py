@@ -229,8 +229,11 @@ def method_text(p: Profile) -> str:
 
 def as_json(ps: ProfileSet, found: list[Availability]) -> dict:
     """`specchat profiles --json`: each profile's fields with its group and reason; broken ones by error."""
+    from specchat.weight_memory import weight_bytes
+
     by_name = {a.name: a for a in found}
-    return {"profiles": {n: {**p.model_dump(), "group": by_name[n].group, "reason": by_name[n].reason}
+    return {"profiles": {n: {**p.model_dump(), "group": by_name[n].group, "reason": by_name[n].reason,
+                             "weights_bytes": None if p.remote else weight_bytes(p)}  # None: not on this machine
                          for n, p in ps.profiles.items()},
             "errors": ps.errors, "groups": GROUPS}
 

@@ -20,7 +20,11 @@ def sampling_of(profile: Profile) -> Sampling:
 
 
 def load_backend(profile: Profile) -> Backend:
-    """Load the model a profile names. Raises BackendError (one line) for anything the user can fix."""
+    """Load the model a profile names. Raises BackendError (one line) for anything the user can fix,
+    and before loading anything when the weights alone would not fit the device's free memory."""
+    from specchat.weight_memory import check_fits
+
+    check_fits(profile)
     if profile.backend == "openai":
         return load_server(profile)
     if profile.backend == "llamacpp":

@@ -1,0 +1,122 @@
+"""How much memory a profile's weights take once loaded, from the checkpoint's tensor sizes alone
+(read from the file headers, nothing loaded), and a refusal before loading when that is more than
+the device has free: one line with the numbers instead of the OOM killer halfway through a load.
+
+The figure is the weights as the engine holds them, a floor: the torch engine keeps a Q4 GGUF's
+blocks for its int4 kernel and a bfloat16 copy for many-row passes (2.5 bytes a parameter with
+the blocks), float32 at 4, bfloat16 and float16 at 2; llama.cpp maps the file as it is. KV cache,
+activations and the runtime come on top (the A/B view and `specchat verify --json` report the
+measured peak).
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from specchat.backends.base import BackendError
+from specchat.models import resolve_model
+from specchat.profiles import Profile
+
+GiB = 2**30
+BYTES_PER_PARAMETER = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int4": 2.5}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    parameters: int
+    file_bytes: int
+    quantized: bool  # Q4 (or other GGUF quantized) blocks: the int4 path where the engine allows it
+
+
+def read_checkpoint(path: Path, kind: str) -> Checkpoint:
+    """Parameter count and stored size from a GGUF's tensor index or safetensors headers."""
+    if kind == "gguf":  # the engine's own tensor index, kept in the cache after the first read
+        from specchat import paths
+        from specchat.backends.native.gguf_loader import read_index
+
+        tensors = read_index(path, paths.cache_dir()).tensors.values()
+        params = sum(math.prod(t.shape) for t in tensors)
+        quantized = any(t.tensor_type.name.startswith("Q4") for t in tensors)
+        return Checkpoint(params, path.stat().st_size, quantized)
+    params = stored = 0
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        with shard.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        for name, t in header.items():
+            if name != "__metadata__":
+                count = 1
+                for d in t["shape"]:
+                    count *= d
+                params += count
+        stored += shard.stat().st_size
+    return Checkpoint(params, stored, False)
+
+
+def precision_of(profile: Profile, ck: Checkpoint, device: str) -> str:
+    """The arithmetic the engine will pick (engine.choose_precision's rule, without loading)."""
+    if profile.dtype != "auto":
+        return profile.dtype
+    if device != "cpu":
+        return "bfloat16"
+    return "int4" if ck.quantized else "float32"
+
+
+def weight_bytes(profile: Profile, device: str = "cpu") -> Optional[int]:
+    """The profile's target and drafter weights as loaded; None where a model is not on this machine."""
+    total = 0
+    models = [profile.model] + ([profile.speculative.drafter] if profile.speculative.drafter else [])
+    for spec in models:
+        try:
+            ref = resolve_model(spec, profile.base_dir, fetch=False)
+        except BackendError:
+            return None
+        if ref.kind == "hub" or not ref.path.exists():
+            return None
+        ck = read_checkpoint(ref.path, ref.kind)
+        if profile.backend == "llamacpp":
+            total += ck.file_bytes
+        else:
+            total += int(ck.parameters * BYTES_PER_PARAMETER[precision_of(profile, ck, device)])
+    return total
+
+
+def free_bytes(device: str) -> Optional[int]:
+    """Memory the device has free now: MemAvailable on CPU, the CUDA allocator's free memory."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def size(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def check_fits(profile: Profile) -> None:
+    """Refuse, before loading, a profile whose weights alone exceed the device's free memory."""
+    if profile.backend == "openai":
+        return
+    device = profile.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    need, free = weight_bytes(profile, device), free_bytes(device)
+    if need is not None and free is not None and need > free:
+        raise BackendError(
+            f"profile '{profile.name}' needs {size(need)} for its weights and {device} has {size(free)} "
+            f"free: close what else is running, or pick a smaller model or a narrower dtype (int4, bfloat16)")

@@ -1,0 +1,47 @@
+"""A profile's weight memory from the checkpoint's headers, and the refusal before loading when it
+exceeds the device's free memory (specchat/weight_memory.py)."""
+import pytest
+from safetensors import safe_open
+
+from specchat import cli, weight_memory
+from specchat.profiles import get_profile
+from tests.test_llamacpp import tiny_gguf
+
+
+@pytest.fixture
+def tiny(isolated_dirs):
+    folder = isolated_dirs / "user-profiles"
+    folder.mkdir(parents=True, exist_ok=True)
+    gguf_path = tiny_gguf(folder, "Q4_1")
+    for name, text in {"t-f32": "model: ./hf\ndtype: float32", "t-bf16": "model: ./hf\ndtype: bfloat16",
+                       "t-q4": "model: ./tiny.gguf", "t-cpp": "backend: llamacpp\nmodel: ./tiny.gguf"}.items():
+        (folder / f"{name}.yaml").write_text(text + "\ncontext: 64\nthreads: 2\n")
+    return folder, gguf_path
+
+
+def test_parameters_and_bytes_come_from_the_headers(tiny):
+    folder, gguf_path = tiny
+    hf = weight_memory.read_checkpoint(folder / "hf", "hf_dir")
+    with safe_open(str(folder / "hf" / "model.safetensors"), "pt") as f:
+        assert hf.parameters == sum(f.get_tensor(k).numel() for k in f.keys())
+    q4 = weight_memory.read_checkpoint(gguf_path, "gguf")
+    assert q4.quantized and q4.file_bytes == gguf_path.stat().st_size
+    assert weight_memory.weight_bytes(get_profile("t-f32")) == hf.parameters * 4
+    assert weight_memory.weight_bytes(get_profile("t-bf16")) == hf.parameters * 2
+    assert weight_memory.weight_bytes(get_profile("t-q4")) == int(q4.parameters * 2.5)  # auto on CPU: int4
+    assert weight_memory.weight_bytes(get_profile("t-cpp")) == q4.file_bytes  # llama.cpp maps the file
+
+
+def test_a_model_not_on_this_machine_has_no_figure(tiny):
+    assert weight_memory.weight_bytes(get_profile("qwen3-8b-dflash")) is None  # a hub model, not downloaded
+
+
+def test_weights_past_the_free_memory_are_refused_before_loading(tiny, monkeypatch, capsys):
+    monkeypatch.setattr(weight_memory, "free_bytes", lambda device: 1000)
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded although it cannot fit")
+    monkeypatch.setattr("specchat.backends.native.engine.TorchBackend.__init__", no_load)
+    assert cli.main(["run", "-p", "t-f32", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "MiB for its weights and cpu has 0.0 MiB free" in err
