@@ -1,5 +1,5 @@
 """Token alignment and the verdicts behind `specchat verify` and the A/B view."""
-from specchat.compare import IDENTICAL, MISMATCH, NEAR_TIE, judge_text, judge_tokens
+from specchat.compare import IDENTICAL, MISMATCH, NEAR_TIE, Verdict, judge_text, judge_tokens
 
 
 def decode(ids):
@@ -95,3 +95,34 @@ def test_identical_is_clean_only_when_both_replies_ended_alike():
     assert judge_tokens([1, 2, 3], [1, 2, 3], decode).complete  # as long as each other: all compared
     v = judge_tokens([1, 2, 3], [1, 2], decode, stops=("eos", "cancelled"))
     assert v.kind == IDENTICAL and not v.clean and "stopped" in v.line()
+
+
+def test_a_text_mismatch_shows_twelve_characters_of_each_side():
+    v = judge_text("the answer is forty-two, as said before", "the answer is 41 and nothing else at all")
+    assert (v.ref_text, v.other_text) == ("forty-two, a", "41 and nothi")
+
+
+def test_text_replies_are_complete_only_when_both_ran_as_long():
+    whole = judge_text("hello world", "hello world")
+    assert whole.complete and whole.clean
+    prefix = judge_text("hello world", "hello")
+    assert prefix.kind == IDENTICAL and not prefix.complete and not prefix.clean
+
+
+def test_a_mismatch_between_replies_that_ran_to_their_end_is_complete():
+    assert judge_tokens([1, 2, 3], [1, 2, 5], decode, stops=("eos", "eos")).complete
+    assert not judge_tokens([1, 2, 3], [1, 2, 5], decode, stops=("eos", "cancelled")).complete
+
+
+def test_a_verdict_line_names_why_only_when_there_is_a_why():
+    bare = Verdict(MISMATCH, 1, "a", "b", None, 2)
+    assert "·" not in bare.line() and bare.line().endswith("'b'")
+    assert Verdict(MISMATCH, 1, "a", "b", None, 2, why="the reason").line().endswith(" · the reason")
+
+
+def test_without_a_strict_prefix_even_the_first_token_can_be_a_near_tie():
+    """strict_until defaults to no strict tokens: a caller that says nothing about arithmetic
+    gets the margin rule from token 0 on."""
+    tiny_gap = lambda i, a, b: (10.0, 10.0 - 1e-6)  # noqa: E731
+    v = judge_tokens([1, 2, 3], [4, 2, 3], decode, scores_at=tiny_gap, tie_margin=0.25)
+    assert v.index == 0 and v.kind == NEAR_TIE and not v.strict

@@ -42,6 +42,8 @@ def test_the_same_engine_shares_arithmetic_up_to_the_shorter_exact_run(target, c
     beyond = shared_arithmetic(target, target, summary(12), drafted).beyond
     assert "token 3 from a 4-row verify block" in beyond(3)
     assert "a single-token pass after multi-row ones" in beyond(5)
+    drafted.pass_log = [([], 1), ([4], 2), ([], 1)]  # the smallest verify block: one draft, two rows
+    assert "token 2 from a 2-row verify block" in shared_arithmetic(target, target, summary(12), drafted).beyond(2)
 
 
 def test_a_backend_that_does_not_say_how_it_computed_shares_nothing(target):

@@ -116,3 +116,31 @@ def test_profiles_load_a_builtin_or_separate_head(tiny_pair, tmp_path):
                       speculative={"method": "mtp", "drafter": str(tiny_pair[1])})
     with pytest.raises(BackendError, match="no MTP head found"):
         load_speculative(profile)
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+def test_deeper_guesses_take_their_own_positions_noise(target, tiny_pair, depth):
+    """Each guess of a proposal is sampled with the noise of the position it guesses (the target's
+    position-keyed sampler), so at temperature > 0 a guess shares the target's noise there."""
+    drafter = mtp_drafter(target, tiny_pair[0])
+    asked = []
+    choose = drafter._choose
+
+    def recording(g, position):
+        asked.append(position)
+        return choose(g, position)
+    drafter._choose = recording
+    proposals = []
+    propose = drafter.propose
+
+    def recording_propose(tokens, d):
+        start = len(asked)
+        draft = propose(tokens, d)
+        proposals.append((len(tokens), asked[start:], len(draft.tokens)))
+        return draft
+    drafter.propose = recording_propose
+    spec = SpeculativeBackend(fresh(target), drafter, depth)
+    run_to_summary(spec.stream(Request(messages=PROMPTS[1]), Sampling(temperature=0.8, seed=3, max_tokens=30)))
+    assert any(n_drafted > 1 for _, _, n_drafted in proposals)
+    for n, positions, n_drafted in proposals:
+        assert positions == list(range(n, n + n_drafted)), f"proposal after {n} tokens"

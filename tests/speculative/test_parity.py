@@ -175,7 +175,7 @@ def test_draft_model_on_an_int4_target_guesses_with_an_int4_head(tmp_path):
     assert run_to_summary(fresh(spec).stream(request, sampling)).token_ids == ref.token_ids
 
 
-@pytest.mark.parametrize("method", ["ngram", "self", "mtp"])
+@pytest.mark.parametrize("method", ["ngram", "self", "mtp", "dflash"])
 def test_a_full_context_ends_where_target_only_ends(target, drafters, method):
     # no token at position context_length or beyond, however many drafts the last pass could take
     ref, out, verdict = compare(target, drafters[method]("exact"), 4, Sampling(max_tokens=1000))

@@ -147,3 +147,14 @@ def test_lookup_passes_fall_back_to_exact_acceptance(target, drafters):
     out = run_to_summary(fresh(spec).stream(Request(messages=PROMPTS[0]), sampling))
     assert out.tokens == 40 and out.error is None
     assert lookup.passes > 0 and model.passes > 0
+
+
+def test_a_draft_its_own_distribution_gave_no_probability_is_rejected():
+    """A drafted token q says could not be drafted (q(x) = 0: a drafter whose guesses and
+    distributions disagree) has no acceptance ratio: it is rejected and the target's residual decides,
+    whatever the uniform draw, so such a drafter cannot bias the output towards its guesses."""
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    for u in (0.0, 0.5, 0.99):
+        v = accept_rejection([1], p, q, torch.tensor([u]), lambda dist, i: int(torch.argmax(dist)))
+        assert (v.accepted, v.token) == (0, 1)  # the residual max(p - q, 0) = [0, 0.5, 0]: token 1 from p's side

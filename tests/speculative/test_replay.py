@@ -48,3 +48,16 @@ def test_the_strict_flag_says_how_rows_were_computed(tiny_pair, drafters):
         assert out.exact_tokens == (out.tokens if strict else first_block)
         ref = run_to_summary(fresh(target).stream(request, sampling))
         assert ref.exact_tokens == ref.tokens and ref.prefill_start == 0
+
+
+def test_the_replay_runs_on_an_engine_whose_cache_is_empty(tiny_pair, drafters):
+    """A fresh engine (say, another process's, or one just emptied) replays a run as well as the
+    one that made it: the replay empties the cache itself and needs nothing in it."""
+    target = engine(tiny_pair[0])
+    spec = SpeculativeBackend(target, drafters["ngram"]("exact"), 3)
+    request, sampling = Request(messages=PROMPTS[0]), Sampling(max_tokens=12)
+    out = run_to_summary(fresh(spec).stream(request, sampling))
+    other = engine(tiny_pair[0])  # nothing cached
+    prompt = target.prompt_ids(request)
+    assert [verify_row_choice(other, prompt, out.token_ids, out.pass_log, i, sampling, spec.strict)
+            for i in (0, len(out.token_ids) - 1)] == [out.token_ids[0], out.token_ids[-1]]
