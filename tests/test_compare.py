@@ -126,3 +126,7 @@ def test_without_a_strict_prefix_even_the_first_token_can_be_a_near_tie():
     tiny_gap = lambda i, a, b: (10.0, 10.0 - 1e-6)  # noqa: E731
     v = judge_tokens([1, 2, 3], [4, 2, 3], decode, scores_at=tiny_gap, tie_margin=0.25)
     assert v.index == 0 and v.kind == NEAR_TIE and not v.strict
+
+
+def test_a_text_mismatch_of_whole_replies_reads_complete():
+    assert judge_text("hello world", "hello there").as_dict()["complete"] is True

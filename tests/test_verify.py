@@ -98,3 +98,19 @@ def test_the_backend_that_made_a_reply_tells_whether_its_divergence_was_strict(t
     assert v.index == 3 and v.kind == "mismatch" and v.strict  # single-token passes on both sides
     assert v.ref_score is not None and v.other_score is not None  # the reference's own scores, recomputed
     assert not judge_replies(target, request, ref, other, sampling).strict  # nothing says how it was computed
+
+
+def test_a_local_speculative_runs_divergence_is_judged_by_its_own_recomputed_row(target):
+    """Not strict (float32 rows): the reply's own verify row, recomputed, says whether the pass
+    chose the token it emitted; a token it did not choose is a bug, named as such."""
+    request, sampling = Request(prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6]), Sampling(max_tokens=12)
+    spec = SpeculativeBackend(target, NgramDrafter(1, 3), 3, strict=False)
+    ref = run_to_summary(fresh(target).stream(request, sampling))
+    out = run_to_summary(fresh(spec).stream(request, sampling))
+    assert out.drafts > 0 and out.token_ids == ref.token_ids
+    planted = list(out.token_ids)
+    planted[4] = (planted[4] + 1) % 50  # what a wrong acceptance would have emitted there
+    bug = Summary(STOP_MAX_TOKENS, token_ids=planted, pass_log=out.pass_log, prefill_start=0,
+                  exact_tokens=out.exact_tokens)
+    v = judge_replies(target, request, ref, bug, sampling, tie_margin=1e9, other_backend=spec)  # any gap a "tie"
+    assert v.index == 4 and v.kind == "mismatch" and "not the" in v.why and "it emitted" in v.why
