@@ -114,3 +114,15 @@ def test_a_local_speculative_runs_divergence_is_judged_by_its_own_recomputed_row
                   exact_tokens=out.exact_tokens)
     v = judge_replies(target, request, ref, bug, sampling, tie_margin=1e9, other_backend=spec)  # any gap a "tie"
     assert v.index == 4 and v.kind == "mismatch" and "not the" in v.why and "it emitted" in v.why
+
+
+def test_without_the_backend_that_made_it_no_token_counts_as_strict(target):
+    """A reply judged without its backend (nothing says how it was computed): even a divergence at
+    its first token is judged by the margin, never called strict."""
+    request, sampling = Request(prompt_ids=[5, 6, 7]), Sampling(max_tokens=6)
+    ref = run_to_summary(fresh(target).stream(request, sampling))
+    ids = list(ref.token_ids)
+    ids[0] = (ids[0] + 1) % 50
+    other = Summary(STOP_MAX_TOKENS, token_ids=ids, exact_tokens=ref.exact_tokens, prefill_start=0)
+    v = judge_replies(target, request, ref, other, sampling)
+    assert v.index == 0 and not v.strict

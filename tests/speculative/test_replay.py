@@ -61,3 +61,14 @@ def test_the_replay_runs_on_an_engine_whose_cache_is_empty(tiny_pair, drafters):
     prompt = target.prompt_ids(request)
     assert [verify_row_choice(other, prompt, out.token_ids, out.pass_log, i, sampling, spec.strict)
             for i in (0, len(out.token_ids) - 1)] == [out.token_ids[0], out.token_ids[-1]]
+
+
+def test_a_token_past_the_reply_is_refused(tiny_pair, drafters):
+    target = engine(tiny_pair[0])
+    spec = SpeculativeBackend(target, drafters["ngram"]("exact"), 3)
+    request, sampling = Request(messages=PROMPTS[0]), Sampling(max_tokens=8)
+    out = run_to_summary(fresh(spec).stream(request, sampling))
+    prompt = target.prompt_ids(request)
+    for index in (-1, len(out.token_ids)):
+        with pytest.raises(ValueError, match=f"token {index} is not in a reply of {len(out.token_ids)} tokens"):
+            verify_row_choice(target, prompt, out.token_ids, out.pass_log, index, sampling, spec.strict)
