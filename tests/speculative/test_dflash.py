@@ -211,6 +211,7 @@ def test_speculative_with_dflash_equals_target_only_on_qwen3(tmp_path_factory, q
         ref = run_to_summary(fresh(qwen3).stream(Request(messages=messages), sampling))
         out = run_to_summary(fresh(spec).stream(Request(messages=messages), sampling))
         assert out.token_ids == ref.token_ids and out.stop_reason == ref.stop_reason
+        assert out.draft_tokens > 0 and max(len(d) for d, _ in out.pass_log) == depth  # it drafts, as deep as asked
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "t1.2-topk-topp"])
