@@ -73,14 +73,6 @@ def fit_window(count: Count, system: Sequence[dict], history: Sequence[dict], st
     return Window(cut, kept, dropped=cut - start, dropped_tokens=n - kept)
 
 
-def conversation_window(count: Count, conv, system: Sequence[dict], context: int, max_tokens: int,
-                        policy: str) -> Window:
-    """fit_window for a front end's `Conversation` (specchat/conversation.py), moving its cut."""
-    window = fit_window(count, system, conv.messages, conv.context_start, context, max_tokens, policy)
-    conv.context_start = window.start
-    return window
-
-
 def fit_request(backend, profile, conv):
     """The request for the conversation's next reply (its last message is the new user turn), the
     cut moved if it must be, and the note to show (None: nothing newly left out)."""
@@ -88,8 +80,9 @@ def fit_request(backend, profile, conv):
     from specchat.loading import messages_for, sampling_of
 
     system = messages_for(profile, [], conv.system)
-    window = conversation_window(lambda msgs: len(backend.tokenize_chat(msgs)), conv, system,
-                                 backend.context_length, sampling_of(profile).max_tokens, profile.context_policy)
+    window = fit_window(lambda msgs: len(backend.tokenize_chat(msgs)), system, conv.messages, conv.context_start,
+                        backend.context_length, sampling_of(profile).max_tokens, profile.context_policy)
+    conv.context_start = window.start
     return Request(messages=system + conv.in_context), window.note(backend.context_length)
 
 

@@ -32,5 +32,5 @@ class StdinText:
 
     def lines(self) -> Iterator[str]:
         """Lines without their line ending, as they arrive (a pipe is read as it is written)."""
-        for line in iter(self.raw.readline, type(self.raw.read(0))()):
+        for line in self.raw:
             yield self._decode(line).rstrip("\r\n")
