@@ -64,7 +64,8 @@ def load_target(profile: Profile, **changes):
 
     path, kind = target_path(profile)
     settings = dict(precision=profile.dtype, device=profile.device, threads=profile.threads,
-                    context=profile.context, compile=profile.compile, cache_dir=paths.cache_dir())
+                    context=profile.context, compile=profile.compile, cache_dir=paths.cache_dir(),
+                    rollback=profile.speculative.rollback)
     return TorchBackend(path, kind, **(settings | changes))
 
 

@@ -62,6 +62,10 @@ class SpeculativeConfig(_Strict):
     # reference implementations do; pre_norm: the last layer's output). Unset: what the head's
     # config says, else post_norm.
     mtp_hidden: Optional[Literal["post_norm", "pre_norm"]] = None
+    # Hybrid (linear-attention) targets: how their recurrent state returns to the accepted prefix
+    # after a verify block: keep the state after every row (snapshot) or one checkpoint and the
+    # block's inputs, replayed (replay, ReplaySSM). auto: the cheaper on the device (docs/results.md).
+    rollback: Literal["auto", "snapshot", "replay"] = "auto"
 
     @model_validator(mode="after")
     def _check(self):

@@ -13,6 +13,31 @@ REQUIRED = {"vocab_size": "the embeddings and the output head", "hidden_size": "
             "num_hidden_layers": "the layer stack", "num_attention_heads": "the attention layers",
             "intermediate_size": "the MLP layers"}
 COMPLETE = "is this a complete Hugging Face model directory? fix the file or download the model again"
+# layer types (config.json `layer_types`) the engine runs; any other is refused by name
+ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+LAYER_TYPES = (ATTENTION, LINEAR_ATTENTION)
+# model types whose norms are zero-centred (weight stored as w, applied as 1 + w) and whose attention
+# has the sigmoid output gate: the Qwen3.5 / Qwen3-Next hybrids
+GATED_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_text")
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """A Gated DeltaNet layer's shape (Qwen3.5 / Qwen3-Next `linear_*` keys)."""
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: q, k and v."""
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_heads * self.v_dim
 
 
 @dataclass
@@ -34,7 +59,18 @@ class ModelConfig:
     arch: str = "llama"
     rotary_dim: int = 0  # leading dims of a head that RoPE rotates (0: all of them); partial_rotary_factor
     output_gate: bool = False  # q_proj also yields a sigmoid gate on the attention output (gated attention)
+    zero_centred: bool = False  # norms stored as w, applied as 1 + w (folded in at load)
+    layer_types: tuple[str, ...] = ()  # per layer ATTENTION or LINEAR_ATTENTION; () means all attention
+    linear: LinearAttentionShape | None = None  # the linear-attention layers' shape, if any
     extra: dict = field(default_factory=dict)
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer `layer` is a (recurrent) linear-attention layer rather than attention."""
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
+
+    @property
+    def hybrid(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
 
     @property
     def rotated(self) -> int:
@@ -55,7 +91,7 @@ class ModelConfig:
         n_heads = count("num_attention_heads")
         head_dim = count("head_dim", 0) or count("hidden_size") // n_heads
         partial = float(c.get("partial_rotary_factor") or (c.get("rope_parameters") or {}).get("partial_rotary_factor")
-                        or 1.0)
+                        or (0.25 if arch in GATED_HYBRIDS else 1.0))  # transformers' default for these
         return cls(
             vocab_size=count("vocab_size"), dim=count("hidden_size"), n_layers=count("num_hidden_layers"),
             n_heads=n_heads, n_kv_heads=count("num_key_value_heads", 0) or n_heads, head_dim=head_dim,
@@ -65,7 +101,8 @@ class ModelConfig:
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=bool(c.get("attention_bias", arch in ("qwen2", "mimo"))),
             qk_norm=arch.startswith("qwen3"), arch=arch,
-            rotary_dim=0 if partial >= 1.0 else int(head_dim * partial))
+            rotary_dim=0 if partial >= 1.0 else int(head_dim * partial),
+            output_gate=arch in GATED_HYBRIDS, zero_centred=arch in GATED_HYBRIDS, **_hybrid_layers(c, source))
 
 
 def read_hf_json(path: Path) -> dict:
@@ -103,6 +140,37 @@ def hf_count(c: dict, key: str, source: str, default: int | None = None) -> int:
         raise BackendError(f"{source}: `{key}` is {json.dumps(value)}, not a whole number of 1 or more: {why}; "
                            f"{COMPLETE}")
     return value
+
+
+def _hybrid_layers(c: dict, source: str) -> dict:
+    """`layer_types` (or the `full_attention_interval` it is built from) and the linear layers'
+    shape. A layer type the engine does not run is a BackendError naming it."""
+    n = hf_count(c, "num_hidden_layers", source)
+    types = c.get("layer_types")
+    if types is None and c.get("model_type") in GATED_HYBRIDS:
+        interval = hf_count(c, "full_attention_interval", source, 4)  # transformers' rule for these models
+        types = [ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(n)]
+    if not types:
+        return {}
+    types = ["full_attention" if t == "attention" else t for t in types]
+    unknown = sorted({str(t) for t in types} - set(LAYER_TYPES))
+    if unknown or len(types) != n:
+        what = (f"layer type '{unknown[0]}', which the torch engine does not run yet (it runs "
+                f"{' and '.join(LAYER_TYPES)})" if unknown else f"{len(types)} entries for {n} layers")
+        raise BackendError(f"{source}: `layer_types` has {what}; use backend: llamacpp or a server (backend: openai)")
+    if LINEAR_ATTENTION not in types:
+        return {"layer_types": tuple(types)}
+
+    def count(key: str, default: int | None = None) -> int:
+        return hf_count(c, key, source, default)
+
+    linear = LinearAttentionShape(k_heads=count("linear_num_key_heads", 16), v_heads=count("linear_num_value_heads", 32),
+                                  k_dim=count("linear_key_head_dim", 128), v_dim=count("linear_value_head_dim", 128),
+                                  conv_kernel=count("linear_conv_kernel_dim", 4))
+    if linear.v_heads % linear.k_heads:
+        raise BackendError(f"{source}: linear_num_value_heads ({linear.v_heads}) is not a multiple of "
+                           f"linear_num_key_heads ({linear.k_heads}); {COMPLETE}")
+    return {"layer_types": tuple(types), "linear": linear}
 
 
 def _rope_theta(c: dict) -> float:

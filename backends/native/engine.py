@@ -22,7 +22,12 @@ from . import sampling as sampler
 from .model import Transformer
 from .tokenizer import ChatTokenizer
 from .int4 import Int4Rows
+from .recurrent_state import ROLLBACK_MODES
 from .weights import Checkpoint, build_model, load_hf_dir
+
+# A hybrid model's rollback when a profile says auto, per device type: the one that measures
+# cheaper there (scripts/bench_recurrent.py; docs/results.md, "Recurrent-state rollback")
+DEFAULT_ROLLBACK = {"cpu": "snapshot", "cuda": "replay"}
 
 # What the torch engine computes with: a torch dtype for everything, or "int4": GGUF Q4_0/Q4_1
 # matrices on torch's group-wise int4 kernel with bfloat16 activations (CPU only).
@@ -71,15 +76,19 @@ class TorchBackend(Backend):
 
     def __init__(self, model_path: str | Path, kind: str = "auto", *, precision: str = "auto",
                  device: str = "auto", threads: int = 0, context: int = 2048, compile: bool = False,
-                 cache_dir: Path | None = None):
+                 cache_dir: Path | None = None, rollback: str = "auto"):
         """`kind`: gguf, hf_dir or auto (by the path); `precision`: one of PRECISIONS or auto;
         `threads`: 0 for every physical core; `context`: the KV cache's positions (at most the
         model's own limit); `compile`: torch.compile the decode passes; `cache_dir`: where files
-        derived from a GGUF (its tokenizer, its tensor index) are kept between loads."""
+        derived from a GGUF (its tokenizer, its tensor index) are kept between loads; `rollback`: how a
+        hybrid model's recurrent state returns to an earlier position (snapshot, replay, or auto:
+        DEFAULT_ROLLBACK for the device)."""
         path = self.model_path = Path(model_path)
         # what a drafter model loaded beside this target is loaded with (speculative/backend.py)
         self.settings = dict(precision=precision, device=device, threads=threads, context=context,
-                             compile=compile, cache_dir=cache_dir)
+                             compile=compile, cache_dir=cache_dir, rollback=rollback)
+        if rollback not in ROLLBACK_MODES + ("auto",):
+            raise BackendError(f"unknown rollback '{rollback}' (expected auto, {', '.join(ROLLBACK_MODES)})")
         if kind == "auto":
             kind = "gguf" if path.suffix.lower() == ".gguf" else "hf_dir"
         if precision not in PRECISIONS + ("auto",):
@@ -98,8 +107,12 @@ class TorchBackend(Backend):
             raise BackendError("precision int4 runs on CPU only; use bfloat16 on CUDA")
         dtype = torch.bfloat16 if self.precision == "int4" else getattr(torch, self.precision)
         self._context = min(context, ck.cfg.max_position) if ck.cfg.max_position else context
+        if ck.cfg.hybrid and compile:
+            raise BackendError(f"{path.name} is a hybrid (linear-attention) model, whose compiled decode graphs "
+                               "specchat does not build yet; set compile: false")
+        self.rollback = DEFAULT_ROLLBACK[self.device.type] if rollback == "auto" else rollback
         self.model: Transformer = build_model(ck, dtype, self._context, int4=self.precision == "int4",
-                                              device=self.device)
+                                              device=self.device, rollback=self.rollback)
         del ck
         self.tokenizer = ChatTokenizer(path, cache_dir)
         self.eos_ids: frozenset[int] = self.tokenizer.eos_ids
@@ -109,7 +122,7 @@ class TorchBackend(Backend):
         if self.device.type == "cpu" and compile and self.precision in ROW_INVARIANT_PRECISIONS:
             self.model.use_compiled_rows()
             self.warm_up()
-        elif self.device.type == "cuda" or compile:
+        elif (self.device.type == "cuda" or compile) and not self.model.cfg.hybrid:
             self.model.use_static_shapes(compile=compile)
         self.load_s = time.perf_counter() - started  # with the first start's compilation, if any
 
@@ -193,9 +206,16 @@ class TorchBackend(Backend):
         return self.model.verify_chunk(sampling)
 
     def truncate(self, n: int) -> None:
+        """Forget positions n.. (n <= cache_len; on a hybrid, a position `restart_point` allows)."""
         with self.turn:
             self.model.cache.truncate(n)
             del self.cached[n:]
+
+    def restart_point(self, n: int) -> int:
+        """The longest prefix of at most n cached positions a pass can start after: n, except on a
+        hybrid model, whose recurrent state only returns to the positions of its last pass (or 0)."""
+        with self.turn:
+            return self.model.cache.restart_point(min(n, self.cache_len))
 
     @property
     def shares_weights(self) -> bool:
@@ -225,6 +245,7 @@ class TorchBackend(Backend):
         limit = min(len(prompt) - 1, len(self.cached))  # at least one token is run to get logits
         while start < limit and self.cached[start] == prompt[start]:
             start += 1
+        start = self.restart_point(start)
         logits, hidden = self.forward(prompt[start:], start, hidden_layers, all_logits=False, head=head)
         return logits, hidden, start
 

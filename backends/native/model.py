@@ -23,19 +23,31 @@ from ..base import Sampling
 from . import sampling as sampler
 from .config import ModelConfig
 from .exact_rows import CompiledRowGraphs, RowGroup, attend_rows, probe_attention_mode, row_groups
+from .gated_delta import RecurrentDecoderLayer
 from .layers import Attend, DecoderLayer, RMSNorm, rope_inv_freq, rope_tables
 from .linear import Linear
+from .recurrent_state import RecurrentState
 
 FINAL = -1  # hidden_layers key for the final hidden state (after the final norm)
+# Passes of more rows than this run a hybrid's linear layers in the chunked form (prefill); shorter
+# ones (verify blocks) token by token, keeping the state after each row. Re-measure:
+# scripts/bench_recurrent.py
+CHUNKED_FROM = 32
 
 
 class KVCache:
-    """Per-layer preallocated keys and values; `length` is how many positions are valid."""
+    """Per-layer preallocated keys and values (None for a linear-attention layer, whose state is
+    in `recurrent`); `length` is how many positions are valid."""
 
-    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
+                 rollback: str = "snapshot"):
         shape = (1, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        attention = [not cfg.is_linear(i) for i in range(cfg.n_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) if a else None for a in attention]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) if a else None for a in attention]
+        # the linear layers' state, numbered in layer order (recurrent_state.py)
+        self.recurrent = (RecurrentState(cfg.linear, attention.count(False), rollback, device)
+                          if cfg.hybrid else None)
         self.max_len = max_len
         self.length = 0
 
@@ -48,7 +60,14 @@ class KVCache:
         """Forget every position from n on (no copies: later writes overwrite them)."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
+        if self.recurrent is not None:
+            self.recurrent.rollback(n)
         self.length = n
+
+    def restart_point(self, n: int) -> int:
+        """The longest prefix of at most n positions (n <= length) the cache can be truncated to:
+        n, unless a recurrent state cannot return there."""
+        return n if self.recurrent is None else self.recurrent.restart_point(n)
 
 
 def cached_attention(cache: KVCache, layer: int, write: slice | Tensor, span: int, mask: Tensor | None) -> Attend:
@@ -86,9 +105,11 @@ class Transformer(nn.Module):
     """Built from already-prepared weights (see weights.py); owns one KV cache."""
 
     def __init__(self, cfg: ModelConfig, embed: Tensor, layers: list[DecoderLayer], norm: Tensor, head: Linear,
-                 dtype: torch.dtype, max_len: int):
+                 dtype: torch.dtype, max_len: int, rollback: str = "snapshot"):
+        """`rollback`: how a hybrid's recurrent state returns to an earlier position
+        (recurrent_state.ROLLBACK_MODES)."""
         super().__init__()
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.rollback = cfg, dtype, rollback
         self.embed = nn.Parameter(embed, requires_grad=False)  # [vocab, dim]; rows are looked up
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(norm, cfg.norm_eps)
@@ -125,7 +146,7 @@ class Transformer(nn.Module):
 
     def setup_cache(self, max_len: int) -> None:
         """(Re)allocate the KV cache for `max_len` positions and the RoPE tables to match."""
-        self.cache = KVCache(self.cfg, max_len, self.cache_dtype, self.device)
+        self.cache = KVCache(self.cfg, max_len, self.cache_dtype, self.device, self.rollback)
         self.rope_cos, self.rope_sin = rope_tables(self.inv_freq, max_len, self.device, self.rope_dtype)
         if self.compiled is not None:
             self.compiled.mark_static()
@@ -153,8 +174,7 @@ class Transformer(nn.Module):
 
     @property
     def runs_int4(self) -> bool:
-        return any(lin.int4 is not None for layer in self.layers
-                   for lin in (layer.attention.qkv, layer.attention.o, layer.mlp.gate_up, layer.mlp.down))
+        return any(m.int4 is not None for m in self.layers.modules() if isinstance(m, Linear))
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),
@@ -214,17 +234,29 @@ class Transformer(nn.Module):
                    hidden_layers: tuple[int, ...] | frozenset[int], groups: list[RowGroup] | None = None
                    ) -> tuple[Tensor, dict[int, Tensor]]:
         """Every layer over rows x [K, dim] written at `write`; attention over cache[:span] under
-        `mask`, or with `groups` each row as its single-token pass computes it."""
+        `mask`, or with `groups` each row as its single-token pass computes it. A hybrid's linear
+        layers carry their state from the cache's length to `span`."""
         cos, sin = self.rope_cos[write], self.rope_sin[write]
         hidden: dict[int, Tensor] = {}
+        recurrent = self.cache.recurrent
+        chunked = groups is None and x.shape[0] > CHUNKED_FROM
+        if recurrent is not None:
+            recurrent.begin(span - x.shape[0], window=not chunked)
+        linear = 0
         for i, layer in enumerate(self.layers):
-            if groups is None:
-                attend = cached_attention(self.cache, i, write, span, mask)
+            if isinstance(layer, RecurrentDecoderLayer):
+                x = layer(x, recurrent, linear, self.dtype, groups is not None, chunked)
+                linear += 1
             else:
-                attend = group_attention(self.cache, i, write, groups, self.attention_mode)
-            x = layer(x, attend, cos, sin, self.dtype, groups is not None)
+                if groups is None:
+                    attend = cached_attention(self.cache, i, write, span, mask)
+                else:
+                    attend = group_attention(self.cache, i, write, groups, self.attention_mode)
+                x = layer(x, attend, cos, sin, self.dtype, groups is not None)
             if i in hidden_layers:
                 hidden[i] = x
+        if recurrent is not None:
+            recurrent.end(span)
         return x, hidden
 
     def logits(self, states: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ head are always the target's. Three public layouts (see ../shared/reference, sec
             final_layernorm}`; concat [hidden, embedding].
 
 The decoder layer inside is read with the main model's layer names; what the engine cannot run
-(a mixture-of-experts MLP, latent attention, gated attention) is named in a clear error.
+(a mixture-of-experts MLP, latent attention) is named in a clear error.
 """
 from __future__ import annotations
 
@@ -93,15 +93,27 @@ def unsupported_main_model(config: dict) -> str | None:
     """Why the torch engine cannot run this checkpoint's main model, or None."""
     c = config.get("text_config", config)
     why = []
-    if any(c.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts")):
+    if _sparse_layers(c):
         why.append("mixture-of-experts layers")
     if c.get("kv_lora_rank") or c.get("q_lora_rank"):
         why.append("multi-head latent attention")
-    if any(t not in ("full_attention", "attention") for t in c.get("layer_types") or []):
-        why.append("hybrid (linear / sliding) attention layers")
+    other = sorted({t for t in c.get("layer_types") or [] if t not in ("full_attention", "attention", "linear_attention")})
+    if other:
+        why.append(f"{other[0]} layers")
     if not why:
         return None
     return f"{c.get('model_type', 'this model')} uses {' and '.join(why)}, which the torch engine does not run"
+
+
+def _sparse_layers(c: dict) -> list[int]:
+    """The layers a config puts a mixture-of-experts MLP in (Qwen3-MoE / Qwen3-Next place them
+    every `decoder_sparse_step` layers outside `mlp_only_layers`; other families everywhere)."""
+    experts = next((c[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if c.get(k)), 0)
+    if not experts:
+        return []
+    n = c.get("num_hidden_layers") or 0
+    step, dense = c.get("decoder_sparse_step") or 1, set(c.get("mlp_only_layers") or [])
+    return [i for i in range(n) if (i + 1) % step == 0 and i not in dense] if n else [0]
 
 
 def read_mtp(path: Path, cfg: ModelConfig) -> MtpWeights:
@@ -183,13 +195,12 @@ def read_mtp(path: Path, cfg: ModelConfig) -> MtpWeights:
 
 def _check_shapes(path: Path, i: int, layer: dict[str, Tensor], cfg: ModelConfig) -> None:
     d, hd = cfg.dim, cfg.head_dim
-    q_rows = layer["q"].shape[0]
-    if q_rows == 2 * cfg.n_heads * hd:
-        raise BackendError(f"{path}: MTP layer {i} uses gated attention (Qwen3-Next / Qwen3.5: q_proj also "
-                           "yields an output gate), which the torch engine does not run; serve this model with "
-                           "vLLM or SGLang (backend: openai)")
+    gated = 2 if cfg.output_gate else 1  # Qwen3-Next / Qwen3.5: q_proj also yields the output gate
+    if layer["q"].shape[0] == 2 * cfg.n_heads * hd and not cfg.output_gate:
+        raise BackendError(f"{path}: MTP layer {i} uses gated attention (q_proj also yields an output gate) "
+                           f"but its target ({cfg.arch}) does not; this head belongs to another model")
     want = {"embed_norm": (d,), "hidden_norm": (d,), "final_norm": (d,), "proj": (d, 2 * d),
-            "q": (cfg.n_heads * hd, d), "k": (cfg.n_kv_heads * hd, d), "v": (cfg.n_kv_heads * hd, d),
+            "q": (gated * cfg.n_heads * hd, d), "k": (cfg.n_kv_heads * hd, d), "v": (cfg.n_kv_heads * hd, d),
             "o": (d, cfg.n_heads * hd), "attn_norm": (d,), "mlp_norm": (d,)}
     for key, shape in want.items():
         if tuple(layer[key].shape) != shape:
@@ -210,7 +221,8 @@ class MtpHead:
         self.embed_first = w.layout.embed_first
         self.target = target
         dev, dtype = target.device, target.dtype
-        self.cfg: ModelConfig = replace(target.cfg, n_layers=1)
+        # one (gated, on Qwen3.5 / Qwen3-Next) full-attention layer, whatever the target's layers are
+        self.cfg: ModelConfig = replace(target.cfg, n_layers=1, layer_types=(), linear=None)
         eps = self.cfg.norm_eps
         # on an int4 target the head's matrices run on the same int4 kernel (int4.int4_if_fits)
         int4 = target.runs_int4

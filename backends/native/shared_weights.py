@@ -1,7 +1,7 @@
 """A second run on a loaded engine's weights: the A/B view's and verify's target-only reference.
 
 `SharedWeights(engine)` is a TorchBackend on the same modules, weights, kernels and tokenizer as
-`engine`, with a KV cache of its own, so that a reference run costs a cache, not a second copy of
+`engine`, with a KV cache (and a hybrid's recurrent state) of its own, so that a reference run costs a cache, not a second copy of
 the model, and neither run re-prefills or disturbs what the other has cached. Its passes are the
 engine's own code path (TorchBackend.forward and stream), so its target-only decoding is bit for
 bit a plain target-only engine's.
@@ -33,10 +33,12 @@ def unshareable_reason(engine: TorchBackend) -> Optional[str]:
 
 def _exchange(a: KVCache, b: KVCache) -> None:
     for x, y in zip(a.k + a.v, b.k + b.v):
-        held = x.data
-        x.data = y.data
-        y.data = held
+        if x is not None:  # None: a linear-attention layer, whose state is in `recurrent`
+            held = x.data
+            x.data = y.data
+            y.data = held
     a.length, b.length = b.length, a.length
+    a.recurrent, b.recurrent = b.recurrent, a.recurrent
 
 
 class SharedWeights(TorchBackend):
@@ -50,7 +52,7 @@ class SharedWeights(TorchBackend):
         self.base = engine
         self.cached = []
         m = engine.model
-        self.own = KVCache(m.cfg, m.cache.max_len, m.cache_dtype, m.device)
+        self.own = KVCache(m.cfg, m.cache.max_len, m.cache_dtype, m.device, m.rollback)
         self.inside = False  # whether our keys and values are in model.cache right now
 
     @contextlib.contextmanager
@@ -78,6 +80,10 @@ class SharedWeights(TorchBackend):
     def truncate(self, n: int) -> None:
         with self._own_cache():
             super().truncate(n)
+
+    def restart_point(self, n: int) -> int:
+        with self._own_cache():
+            return super().restart_point(n)
 
     def warm_up(self, hidden: bool = False) -> None:
         """Nothing to compile: the weights are the engine's."""

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from ..base import BackendError
 from . import argmax_head
-from .config import ModelConfig, read_hf_config
+from .config import COMPLETE, ModelConfig, read_hf_config
+from .gated_delta import recurrent_layer
 from .int4 import Int4Rows, Matrix, int4_linear
 from .layers import DecoderLayer, decoder_layer
 from .linear import Linear
@@ -112,6 +113,33 @@ def safetensors_files(path: Path) -> dict[str, Path]:
     return out
 
 
+# A Gated DeltaNet layer's tensors (Qwen3.5's split projections) under short names
+HF_LINEAR_NAMES = {
+    "qkv": "linear_attn.in_proj_qkv.weight", "z": "linear_attn.in_proj_z.weight",
+    "b": "linear_attn.in_proj_b.weight", "a": "linear_attn.in_proj_a.weight",
+    "conv": "linear_attn.conv1d.weight", "A_log": "linear_attn.A_log", "dt_bias": "linear_attn.dt_bias",
+    "gate_norm": "linear_attn.norm.weight", "out": "linear_attn.out_proj.weight",
+    "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
+    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+}
+# Qwen3-Next stores q|k|v|z and b|a fused, grouped by key head (see `ungroup_qkvz`)
+HF_FUSED_LINEAR = {"qkvz": "linear_attn.in_proj_qkvz.weight", "ba": "linear_attn.in_proj_ba.weight"}
+ZERO_CENTRED_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")  # not the gated norm: it is applied as w
+MOE_MARKERS = ("mlp.experts.", "mlp.gate.weight", "mlp.shared_expert", "mlp.router.")
+
+
+def ungroup_qkvz(qkvz: Tensor, ba: Tensor, shape) -> dict[str, Tensor]:
+    """Qwen3-Next's fused projections to Qwen3.5's split ones. Per key head the rows are
+    [q dk | k dk | v r·dv | z r·dv] and [b r | a r] (r = value heads per key head)."""
+    s, H = shape, qkvz.shape[-1]
+    r = s.v_heads // s.k_heads
+    g = qkvz.view(s.k_heads, 2 * s.k_dim + 2 * r * s.v_dim, H)
+    q, k, v, z = g.split([s.k_dim, s.k_dim, r * s.v_dim, r * s.v_dim], dim=1)
+    b, a = ba.view(s.k_heads, 2 * r, H).split([r, r], dim=1)
+    flat = [t.reshape(-1, H) for t in (q, k, v, z, b, a)]
+    return {"qkv": torch.cat(flat[:3]), "z": flat[3], "b": flat[4], "a": flat[5]}
+
+
 def load_hf_dir(path: Path) -> Checkpoint:
     from safetensors import safe_open
 
@@ -120,6 +148,12 @@ def load_hf_dir(path: Path) -> Checkpoint:
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in where) else "model."
     # an MTP head inside the checkpoint is read by backends/native/mtp.py when a profile asks for it
     where = {n: f for n, f in where.items() if not is_mtp_tensor(n, prefix, cfg.n_layers)}
+    refuse_moe(path, where, prefix)
+    vision = [n for n in where if n.startswith(("model.visual.", "visual."))]
+    if vision:  # a multimodal checkpoint (Qwen3.5's published ones): specchat chats in text
+        print(f"note: {path.name}: the vision tower ({len(vision)} tensors) is not loaded; specchat runs the "
+              "text decoder", file=sys.stderr)
+        where = {n: f for n, f in where.items() if n not in set(vision)}
     tensors: dict[str, Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name, f in where.items():
@@ -141,12 +175,47 @@ def load_hf_dir(path: Path) -> Checkpoint:
 
     layers = []
     for i in range(cfg.n_layers):
-        layer = {k: take(f"{prefix}layers.{i}.{n}", k in LAYER_KEYS) for k, n in HF_LAYER_NAMES.items()}
-        layers.append({k: v for k, v in layer.items() if v is not None})
+        p = f"{prefix}layers.{i}."
+        if cfg.is_linear(i):
+            fused = p + HF_FUSED_LINEAR["qkvz"] in tensors
+            names = {k: n for k, n in HF_LINEAR_NAMES.items() if not (fused and k in ("qkv", "z", "b", "a"))}
+            layer = {k: take(p + n) for k, n in names.items()}
+            if fused:
+                layer |= ungroup_qkvz(take(p + HF_FUSED_LINEAR["qkvz"]), take(p + HF_FUSED_LINEAR["ba"]), cfg.linear)
+            _check_linear(path, i, layer, cfg)
+        else:
+            layer = {k: take(p + n, k in LAYER_KEYS) for k, n in HF_LAYER_NAMES.items()}
+        layer = {k: v for k, v in layer.items() if v is not None}
+        if cfg.zero_centred:  # stored w, applied as 1 + w: folded in once here
+            layer |= {k: layer[k] + 1.0 for k in ZERO_CENTRED_NORMS if k in layer}
+        layers.append(layer)
     head = None if cfg.tie_embeddings else take("lm_head.weight", required=False)
     embed, norm = take(prefix + "embed_tokens.weight"), take(prefix + "norm.weight")
+    if cfg.zero_centred:
+        norm = norm + 1.0
     refuse_unknown(path, set(tensors) - used - {"lm_head.weight"})
     return Checkpoint(cfg, embed, norm, head, layers, source=str(path))
+
+
+def _check_linear(path: Path, i: int, layer: dict[str, Tensor], cfg: ModelConfig) -> None:
+    """A linear-attention layer's tensors against the config's `linear_*` shape."""
+    s, d = cfg.linear, cfg.dim
+    want = {"qkv": (s.conv_dim, d), "z": (s.value_dim, d), "b": (s.v_heads, d), "a": (s.v_heads, d),
+            "conv": (s.conv_dim, 1, s.conv_kernel), "A_log": (s.v_heads,), "dt_bias": (s.v_heads,),
+            "gate_norm": (s.v_dim,), "out": (d, s.value_dim)}
+    for key, shape in want.items():
+        if tuple(layer[key].shape) != shape:
+            raise BackendError(f"{path}: layer {i} ({HF_LINEAR_NAMES[key]}) has shape {tuple(layer[key].shape)}, "
+                               f"config.json's linear_* keys give {shape}; {COMPLETE}")
+
+
+def refuse_moe(path: Path, where: dict, prefix: str) -> None:
+    """A mixture-of-experts MLP is named as such, not as unknown tensors."""
+    moe = sorted(n for n in where if n.startswith(prefix + "layers.") and any(m in n for m in MOE_MARKERS))
+    if moe:
+        layer = moe[0][len(prefix):].split(".")[1]
+        raise BackendError(f"{path}: layer {layer} has a mixture-of-experts MLP ({moe[0]}), which the torch engine "
+                           "does not run yet; use backend: llamacpp (a GGUF of it) or a server (backend: openai)")
 
 
 def is_mtp_tensor(name: str, prefix: str, n_layers: int) -> bool:
@@ -213,6 +282,20 @@ def build_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device
     return b
 
 
+def build_recurrent_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device: torch.device) -> dict:
+    """A linear-attention layer's tensors (HF_LINEAR_NAMES' keys) as `gated_delta.recurrent_layer`
+    takes them: the four input projections as one matmul (rows q|k|v|z|b|a)."""
+    dev = lambda key: layer[key].float().to(device)  # noqa: E731
+    return {
+        "in_proj": _linear([layer[k] for k in ("qkv", "z", "b", "a")], [None] * 4, dtype, int4, device),
+        "out": _linear([layer["out"]], [None], dtype, int4, device),
+        "gate_up": _linear([layer["gate"], layer["up"]], [None, None], dtype, int4, device),
+        "down": _linear([layer["down"]], [None], dtype, int4, device),
+        "conv": dev("conv").reshape(layer["conv"].shape[0], -1), "A_log": dev("A_log"), "dt_bias": dev("dt_bias"),
+        "gate_norm": dev("gate_norm"), "attn_norm": dev("attn_norm"), "mlp_norm": dev("mlp_norm"),
+    }
+
+
 # Most memory a bfloat16 copy of an int4 model's layer matrices may take (4x their int4 size) to
 # speed up prefill; larger models prefill on the int4 kernel.
 DENSE_COPY_MAX_BYTES = 1 << 30
@@ -223,14 +306,17 @@ def dense_copy_bytes(ck: Checkpoint) -> int:
 
 
 def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = False,
-                device: torch.device | str = "cpu") -> Transformer:
+                device: torch.device | str = "cpu", rollback: str = "snapshot") -> Transformer:
     """int4 runs Int4Rows matrices with torch's group-wise int4 kernel (CPU, bfloat16 activations),
-    keeping a bfloat16 copy of them for prefill when it takes at most DENSE_COPY_MAX_BYTES."""
+    keeping a bfloat16 copy of them for prefill when it takes at most DENSE_COPY_MAX_BYTES.
+    `rollback`: a hybrid's recurrent-state rollback (recurrent_state.ROLLBACK_MODES)."""
     device = torch.device(device)
     if int4 and (dtype != torch.bfloat16 or device.type != "cpu"):
         raise ValueError("the int4 kernel path runs on CPU with bfloat16 activations")
     dense_copy = int4 and dense_copy_bytes(ck) <= DENSE_COPY_MAX_BYTES
-    layers = [decoder_layer(ck.cfg, build_layer(layer, dtype, int4, device, dense_copy)) for layer in ck.layers]
+    layers = [recurrent_layer(ck.cfg, build_recurrent_layer(layer, dtype, int4, device)) if ck.cfg.is_linear(i)
+              else decoder_layer(ck.cfg, build_layer(layer, dtype, int4, device, dense_copy))
+              for i, layer in enumerate(ck.layers)]
     embed = ck.embed.float().to(device)
     head_weight = ck.head if ck.head is not None else embed
     if device.type == "cpu" and dtype != torch.float32:
@@ -240,7 +326,7 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
         head = Linear(dense.to(device).contiguous(), pairwise=True)
     else:
         head = _linear([head_weight], [None], dtype, int4, device)
-    model = Transformer(ck.cfg, embed, layers, ck.norm.float().to(device), head, dtype, max_len)
+    model = Transformer(ck.cfg, embed, layers, ck.norm.float().to(device), head, dtype, max_len, rollback)
     if head.pairwise:
         model.argmax_head = argmax_head.for_head(head.weight, model.norm.weight)
     return model

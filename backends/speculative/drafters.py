@@ -102,7 +102,7 @@ class DraftModelDrafter(Drafter):
             depth = max(0, e.context_length - n)
         if depth == 0:
             return Draft([])
-        reuse = min(common_prefix(e.cached, tokens), n - 1)
+        reuse = e.restart_point(min(common_prefix(e.cached, tokens), n - 1))
         state, _ = e.forward(tokens[reuse:], reuse, all_logits=False, head=False)
         out, qs = [], []
         for i in range(depth):

@@ -111,6 +111,10 @@ class Target(Protocol):
 
     def truncate(self, length: int) -> None: ...
 
+    def restart_point(self, n: int) -> int:
+        """The longest prefix of at most n cached positions the target can truncate to (a hybrid's
+        recurrent state returns only to its last pass's positions)."""
+
     def sample(self, logits: torch.Tensor, positions: Sequence[int], sampling: Sampling) -> torch.Tensor: ...
 
     def detokenize(self, ids: Sequence[int]) -> str: ...
@@ -148,7 +152,7 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
     drafter.paused = frozenset()  # no source sits out unless the gate says so
     use_rejection = acceptance == "rejection" and not sampling.greedy
     # Prefill: reuse the cached prefix, as far as the drafter still holds what it needs of it.
-    start = min(common_prefix(target.cached, prompt), len(prompt) - 1)
+    start = target.restart_point(min(common_prefix(target.cached, prompt), len(prompt) - 1))
     if layers:
         start = min(start, drafter.reusable(prompt))
     stats = StreamStats(prompt_tokens=len(prompt), prefill_start=start)

@@ -126,8 +126,15 @@ def test_unsupported_main_models_are_named():
     assert "mixture-of-experts" in unsupported_main_model({"model_type": "deepseek_v3", "n_routed_experts": 256,
                                                            "kv_lora_rank": 512})
     assert "latent attention" in unsupported_main_model({"model_type": "deepseek_v3", "kv_lora_rank": 512})
-    assert "hybrid" in unsupported_main_model({"model_type": "qwen3_next",
-                                               "layer_types": ["linear_attention", "full_attention"]})
+    assert "sliding_attention layers" in unsupported_main_model(
+        {"model_type": "gemma3", "layer_types": ["sliding_attention", "full_attention"]})
+    # hybrids with linear attention run; Qwen3-Next's MoE only where its layers have experts
+    assert unsupported_main_model({"model_type": "qwen3_next", "num_hidden_layers": 2,
+                                   "layer_types": ["linear_attention", "full_attention"]}) is None
+    assert unsupported_main_model({"model_type": "qwen3_next", "num_hidden_layers": 2, "num_experts": 8,
+                                   "mlp_only_layers": [0, 1]}) is None
+    assert "mixture-of-experts" in unsupported_main_model({"model_type": "qwen3_next", "num_hidden_layers": 2,
+                                                           "num_experts": 8, "mlp_only_layers": [0]})
     assert unsupported_main_model({"model_type": "mimo"}) is None
 
 

@@ -60,6 +60,49 @@ def hf_config(layout: str, vocab: int):
 
 
 LAYOUTS = ("llama", "llama3", "qwen2", "qwen3")
+# hybrids: Gated DeltaNet layers between gated full-attention layers (layers 1 and 3 attention)
+HYBRIDS = ("qwen3_5", "qwen3_next")
+
+
+def hybrid_config(family: str, vocab: int, layer_types=None):
+    """Shapes small but with every feature: grouped value heads (2 per key head), a 4-tap conv,
+    partial rotary (a quarter of each head), gated attention, zero-centred norms; widths chosen
+    as multiples of 32 so that no elementwise op gives a row a scalar tail."""
+    from transformers import Qwen3_5TextConfig, Qwen3NextConfig
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False, layer_types=layer_types or
+                  ["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    if family == "qwen3_5":
+        return Qwen3_5TextConfig(**common)
+    if family == "qwen3_next":  # its dense form: every layer an MLP-only layer
+        return Qwen3NextConfig(**common, mlp_only_layers=[0, 1, 2, 3], num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    raise ValueError(family)
+
+
+def make_hybrid_checkpoint(out: Path, family: str = "qwen3_5", seed: int = 0, layer_types=None) -> Path:
+    """A random hybrid model (transformers' own class), saved as safetensors with the tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(out)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hybrid_config(family, len(tok), layer_types), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "linear_attn.norm" in name:  # the gated norm is applied as w
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "norm" in name:  # zero-centred: applied as 1 + w
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.3 if "embed" in name else 0.15))
+    model.save_pretrained(str(out))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    return out
 
 
 def make_hf_checkpoint(out: Path, layout: str, seed: int = 0) -> Path:
@@ -196,9 +239,12 @@ def add_mtp_head(ckpt: Path, layout: str, seed: int = 0, extra: dict | None = No
         w = 0.2 * torch.randn(shape, generator=g)
         return w if layout == "qwen3_next" else 1.0 + w  # zero-centred: stored w, applied as 1 + w
 
+    # the decoder layer inside copies the first attention layer's names and shapes
+    first = min(int(k.split(".")[2]) for k in main if k.startswith("model.layers.") and ".self_attn.q_proj" in k)
+    src = f"model.layers.{first}."
     for name, t in main.items():
-        if name.startswith("model.layers.0."):
-            key = names["layer"] + name[len("model.layers.0."):]
+        if name.startswith(src):
+            key = names["layer"] + name[len(src):]
             out[key] = norm(t.shape) if "norm" in name else 0.15 * torch.randn(t.shape, generator=g)
     out[names["embed_norm"]], out[names["hidden_norm"]] = norm((d,)), norm((d,))
     out[names["final_norm"]] = norm((d,))
@@ -207,4 +253,19 @@ def add_mtp_head(ckpt: Path, layout: str, seed: int = 0, extra: dict | None = No
     save_file({k: v.contiguous() for k, v in out.items()}, str(ckpt / "mtp.safetensors"))
     cfg["mtp_num_hidden_layers" if layout == "qwen3_next" else "num_nextn_predict_layers"] = 1
     (ckpt / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+def perturbed_copy(src: Path, out: Path, scale: float = 0.03, seed: int = 0) -> Path:
+    """The checkpoint in `src` with small noise on every weight: a draft model that agrees with it
+    often but not always (random models agree with nothing else)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k: v + scale * torch.randn(v.shape, generator=g) for k, v in tensors.items()},
+              str(out / "model.safetensors"))
     return out

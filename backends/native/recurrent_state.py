@@ -1,0 +1,134 @@
+"""The recurrent layers' state for one sequence, and how it rolls back after a verify block.
+
+A KV cache rolls back by shortening it; a recurrent state cannot: after a block of T rows of which
+only the first j are kept, every linear-attention layer must hold its state as if only those j
+rows had been fed. Two ways, selectable (`rollback`), both exact:
+
+- snapshot: keep the state after every row of the last pass (vLLM's state slots, SGLang's
+  intermediate states, llama.cpp's per-token snapshots); rolling back picks one. Memory per row of
+  a block: every layer's whole state.
+- replay (ReplaySSM): keep one checkpoint, the state before the pass, and the pass's inputs
+  (each row's projected q|k|v|b|a); rolling back is a cursor move, and the next pass first replays
+  the kept rows from the checkpoint with the same one-token arithmetic. Memory per row: one input
+  row per layer, a few hundredths of a state.
+
+`block_bytes` states the memory of either; scripts/bench_recurrent.py measures their time.
+Positions this state can return to: its length, 0 (empty), and the last pass's window (`start`..length).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .config import LinearAttentionShape
+
+ROLLBACK_MODES = ("snapshot", "replay")
+
+
+class RecurrentState:
+    """State of `n_layers` Gated DeltaNet layers: conv [K-1, conv_dim] and ssm [Hv, dk, dv] each, float32."""
+
+    def __init__(self, shape: LinearAttentionShape, n_layers: int, mode: str, device: torch.device):
+        if mode not in ROLLBACK_MODES:
+            raise ValueError(f"unknown rollback '{mode}' (expected {', '.join(ROLLBACK_MODES)})")
+        self.shape, self.n_layers, self.mode, self.device = shape, n_layers, mode, device
+        self.reset()
+
+    def reset(self) -> None:
+        s, dev = self.shape, self.device
+        zeros_conv = torch.zeros(s.conv_kernel - 1, s.conv_dim, device=dev)
+        zeros_ssm = torch.zeros(s.v_heads, s.k_dim, s.v_dim, device=dev)
+        self.conv = [zeros_conv] * self.n_layers  # tensors are replaced, never written in place
+        self.ssm = [zeros_ssm] * self.n_layers
+        self.length = self.start = 0
+        self.window = False
+        self.snapshots: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(self.n_layers)]  # positions start..
+        self.checkpoint = list(zip(self.conv, self.ssm))  # replay: the state at `start`
+        self.inputs: list[Tensor | None] = [None] * self.n_layers  # replay: rows start..length-1
+        self.pending: int | None = None  # replay: rows of `inputs` to replay before the next pass
+
+    # ---- rolling back ----
+
+    def restorable(self, n: int) -> bool:
+        """Whether `rollback(n)` can bring the state to position n."""
+        if n in (0, self.length):
+            return True
+        if not self.start <= n < self.length:
+            return False
+        return self.mode == "replay" or n - self.start < len(self.snapshots[0])
+
+    def restart_point(self, n: int) -> int:
+        """The longest prefix of at most n positions this state can return to."""
+        if n >= self.length:
+            return self.length
+        return n if self.restorable(n) else 0
+
+    def rollback(self, n: int) -> None:
+        if n == self.length:
+            return
+        if not self.restorable(n):
+            raise ValueError(f"the recurrent state at position {self.length} cannot return to {n} "
+                             f"(it keeps positions {self.start}..{self.length}); restart from 0")
+        if n == 0:
+            self.reset()
+            return
+        rows = n - self.start
+        if self.mode == "snapshot":
+            for j in range(self.n_layers):
+                self.conv[j], self.ssm[j] = self.snapshots[j][rows]
+                del self.snapshots[j][rows + 1:]
+        else:
+            self.pending = rows
+            self.inputs = [x[:rows] for x in self.inputs]
+        self.length = n
+
+    # ---- a pass ----
+
+    def begin(self, start: int, window: bool) -> None:
+        """A pass starts at `start` (== length). `window`: the pass keeps what rolling back into it
+        needs (a verify block); without (a long prefill), only its end can be returned to."""
+        if start != self.length:
+            raise ValueError(f"a pass at position {start} on a recurrent state of length {self.length}")
+        self.start, self.window = start, window
+
+    def state_before(self, j: int, layer) -> tuple[Tensor, Tensor]:
+        """Layer j's (conv, ssm) at the pass's start: in replay mode, after replaying what a rollback
+        left pending (with `layer`'s own one-token arithmetic)."""
+        if self.mode == "replay" and self.pending is not None:
+            conv, ssm = self.checkpoint[j]
+            if self.pending:
+                _, conv, ssm, _ = layer.scan(conv, ssm, self.inputs[j], outputs=False)
+            self.conv[j], self.ssm[j] = conv, ssm
+            if j == self.n_layers - 1:
+                self.pending = None
+        return self.conv[j], self.ssm[j]
+
+    def record(self, j: int, conv: Tensor, ssm: Tensor, rows: Tensor, after_rows: list | None) -> None:
+        """Layer j's pass is done: its new state, its input rows [T, state_width] and (from a
+        token-by-token scan) the state after each row, for the rollback window."""
+        if not self.window:
+            pass
+        elif self.mode == "snapshot":
+            self.snapshots[j] = [(self.conv[j], self.ssm[j])] + (after_rows or [])
+        else:
+            self.checkpoint[j] = (self.conv[j], self.ssm[j])
+            self.inputs[j] = rows
+        self.conv[j], self.ssm[j] = conv, ssm
+
+    def end(self, length: int) -> None:
+        self.length = length
+        self.pending = None
+        if not self.window:
+            self.start = length
+            self.snapshots = [[] for _ in range(self.n_layers)]
+            self.inputs = [None] * self.n_layers
+
+    # ---- memory ----
+
+    def block_bytes(self, rows: int, mode: str | None = None) -> int:
+        """Extra memory a verify block of `rows` rows keeps for rolling back, over all layers."""
+        s = self.shape
+        state = ((s.conv_kernel - 1) * s.conv_dim + s.v_heads * s.k_dim * s.v_dim) * 4
+        if (mode or self.mode) == "snapshot":
+            return self.n_layers * rows * state  # the state after each row (the one before is the live one)
+        return self.n_layers * (state + rows * (s.conv_dim + 2 * s.v_heads) * 4)  # checkpoint + input rows
