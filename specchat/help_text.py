@@ -91,6 +91,11 @@ examples:
   specchat train draft --data runs/data --out runs/my-draft --steps 300
   specchat train draft --data runs/data --out runs/my-draft --layers 2 \\
       --hidden 192 --steps 300""",
+    "train replayssm": """\
+examples:
+  specchat train replayssm --data runs/data --out runs/my-rssm --steps 300
+  specchat train replayssm --data runs/data --out runs/my-rssm --layers 3 \\
+      --hidden 192 --linear-heads 2 --steps 300""",
     "train mtp": """\
 examples:
   specchat train mtp --target smollm2 --data runs/data --out runs/my-mtp""",
@@ -116,6 +121,7 @@ SUMMARIES = {
     "train prompts": "let the target write training prompts itself (Magpie): varied, no dataset",
     "train data": "let the target answer training prompts; store replies and top-k probabilities",
     "train draft": "train a small Llama draft model on `train data` output",
+    "train replayssm": "train a small recurrent (Gated DeltaNet) draft model on `train data` output",
     "train mtp": "train an MTP head on the target's own hidden states (`train data` output)",
     "train dflash": "train a DFlash block drafter (uses the target's hidden states, embedding and head) on "
                     "`train data` output",

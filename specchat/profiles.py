@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from specchat import paths
 
-METHODS = ("none", "draft", "ngram", "mtp", "dflash")
+METHODS = ("none", "draft", "ngram", "mtp", "dflash", "replayssm")
 DEFAULT_PROFILE = "smollm2"
 
 
@@ -38,7 +38,7 @@ class SamplingConfig(_Strict):
 
 
 class SpeculativeConfig(_Strict):
-    method: Literal["none", "draft", "ngram", "mtp", "dflash"] = "none"
+    method: Literal["none", "draft", "ngram", "mtp", "dflash", "replayssm"] = "none"
     depth: int = Field(4, ge=1, le=64)
     drafter: Optional[str] = None
     acceptance: Literal["exact", "rejection"] = "exact"
@@ -71,10 +71,13 @@ class SpeculativeConfig(_Strict):
     def _check(self):
         if self.method == "draft" and not self.drafter:
             raise ValueError("method 'draft' needs `drafter`: a GGUF file or model directory")
+        if self.method == "replayssm" and not self.drafter:
+            raise ValueError("method 'replayssm' needs `drafter`: a recurrent draft model directory "
+                             "(e.g. made by `specchat train replayssm`)")
         if self.method == "dflash" and not self.drafter:
             raise ValueError("method 'dflash' needs `drafter`: a DFlash drafter directory")
-        if self.lookup and self.method not in ("draft", "mtp", "dflash"):
-            raise ValueError(f"`lookup` puts prompt lookup in front of a model drafter (draft, mtp, dflash); "
+        if self.lookup and self.method not in ("draft", "mtp", "dflash", "replayssm"):
+            raise ValueError(f"`lookup` puts prompt lookup in front of a model drafter (draft, mtp, dflash, replayssm); "
                              f"method '{self.method}' has none (for prompt lookup alone use method: ngram)")
         if self.copy_depth and self.method != "ngram" and not self.lookup:
             raise ValueError("`copy_depth` lengthens prompt-lookup drafts: it needs method 'ngram', or `lookup` "

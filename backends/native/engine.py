@@ -211,6 +211,12 @@ class TorchBackend(Backend):
             self.model.cache.truncate(n)
             del self.cached[n:]
 
+    def hold_positions(self, n: int) -> None:
+        """A caller that rolls back over several of its own passes (a draft model's proposals) asks
+        for up to n positions of them to stay returnable to (hybrid models; free for the others)."""
+        with self.turn:
+            self.model.hold_positions(max(n, self.model.rollback_span))
+
     def restart_point(self, n: int) -> int:
         """The longest prefix of at most n cached positions a pass can start after: n, except on a
         hybrid model, whose recurrent state only returns to the positions of its last pass (or 0)."""

@@ -40,13 +40,13 @@ class KVCache:
     in `recurrent`); `length` is how many positions are valid."""
 
     def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
-                 rollback: str = "snapshot"):
+                 rollback: str = "snapshot", span: int = 0):
         shape = (1, cfg.n_kv_heads, max_len, cfg.head_dim)
         attention = [not cfg.is_linear(i) for i in range(cfg.n_layers)]
         self.k = [torch.zeros(shape, dtype=dtype, device=device) if a else None for a in attention]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) if a else None for a in attention]
         # the linear layers' state, numbered in layer order (recurrent_state.py)
-        self.recurrent = (RecurrentState(cfg.linear, attention.count(False), rollback, device)
+        self.recurrent = (RecurrentState(cfg.linear, attention.count(False), rollback, device, span)
                           if cfg.hybrid else None)
         self.max_len = max_len
         self.length = 0
@@ -110,6 +110,7 @@ class Transformer(nn.Module):
         (recurrent_state.ROLLBACK_MODES)."""
         super().__init__()
         self.cfg, self.dtype, self.rollback = cfg, dtype, rollback
+        self.rollback_span = 0  # see hold_positions
         self.embed = nn.Parameter(embed, requires_grad=False)  # [vocab, dim]; rows are looked up
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(norm, cfg.norm_eps)
@@ -146,10 +147,17 @@ class Transformer(nn.Module):
 
     def setup_cache(self, max_len: int) -> None:
         """(Re)allocate the KV cache for `max_len` positions and the RoPE tables to match."""
-        self.cache = KVCache(self.cfg, max_len, self.cache_dtype, self.device, self.rollback)
+        self.cache = KVCache(self.cfg, max_len, self.cache_dtype, self.device, self.rollback, self.rollback_span)
         self.rope_cos, self.rope_sin = rope_tables(self.inv_freq, max_len, self.device, self.rope_dtype)
         if self.compiled is not None:
             self.compiled.mark_static()
+
+    def hold_positions(self, n: int) -> None:
+        """Let a hybrid's recurrent state return up to n positions back over consecutive passes
+        (recurrent_state.py's `span`); a KV cache always can."""
+        self.rollback_span = n
+        if self.cache.recurrent is not None:
+            self.cache.recurrent.span = n
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -241,7 +249,7 @@ class Transformer(nn.Module):
         recurrent = self.cache.recurrent
         chunked = groups is None and x.shape[0] > CHUNKED_FROM
         if recurrent is not None:
-            recurrent.begin(span - x.shape[0], window=not chunked)
+            recurrent.begin(span - x.shape[0], x.shape[0], window=not chunked)
         linear = 0
         for i, layer in enumerate(self.layers):
             if isinstance(layer, RecurrentDecoderLayer):

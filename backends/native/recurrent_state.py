@@ -13,7 +13,9 @@ rows had been fed. Two ways, selectable (`rollback`), both exact:
   row per layer, a few hundredths of a state.
 
 `block_bytes` states the memory of either; scripts/bench_recurrent.py measures their time.
-Positions this state can return to: its length, 0 (empty), and the last pass's window (`start`..length).
+Positions this state can return to: its length, 0 (empty), and the window `start`..length: the last
+pass, or with `span`, consecutive passes without a rollback between them covering at most `span`
+positions (a draft model's own one-token passes, which its next proposal rolls back into).
 """
 from __future__ import annotations
 
@@ -28,10 +30,10 @@ ROLLBACK_MODES = ("snapshot", "replay")
 class RecurrentState:
     """State of `n_layers` Gated DeltaNet layers: conv [K-1, conv_dim] and ssm [Hv, dk, dv] each, float32."""
 
-    def __init__(self, shape: LinearAttentionShape, n_layers: int, mode: str, device: torch.device):
+    def __init__(self, shape: LinearAttentionShape, n_layers: int, mode: str, device: torch.device, span: int = 0):
         if mode not in ROLLBACK_MODES:
             raise ValueError(f"unknown rollback '{mode}' (expected {', '.join(ROLLBACK_MODES)})")
-        self.shape, self.n_layers, self.mode, self.device = shape, n_layers, mode, device
+        self.shape, self.n_layers, self.mode, self.device, self.span = shape, n_layers, mode, device, span
         self.reset()
 
     def reset(self) -> None:
@@ -41,7 +43,7 @@ class RecurrentState:
         self.conv = [zeros_conv] * self.n_layers  # tensors are replaced, never written in place
         self.ssm = [zeros_ssm] * self.n_layers
         self.length = self.start = 0
-        self.window = False
+        self.window = self.extending = self.rolled_back = False
         self.snapshots: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(self.n_layers)]  # positions start..
         self.checkpoint = list(zip(self.conv, self.ssm))  # replay: the state at `start`
         self.inputs: list[Tensor | None] = [None] * self.n_layers  # replay: rows start..length-1
@@ -73,6 +75,7 @@ class RecurrentState:
             self.reset()
             return
         rows = n - self.start
+        self.rolled_back = True
         if self.mode == "snapshot":
             for j in range(self.n_layers):
                 self.conv[j], self.ssm[j] = self.snapshots[j][rows]
@@ -84,12 +87,16 @@ class RecurrentState:
 
     # ---- a pass ----
 
-    def begin(self, start: int, window: bool) -> None:
-        """A pass starts at `start` (== length). `window`: the pass keeps what rolling back into it
-        needs (a verify block); without (a long prefill), only its end can be returned to."""
+    def begin(self, start: int, rows: int, window: bool) -> None:
+        """A pass of `rows` rows starts at `start` (== length). `window`: the pass keeps what rolling
+        back into it needs (a verify block); without (a long prefill), only its end can be returned
+        to. The window starts at this pass, or, within `span`, goes on from the passes before."""
         if start != self.length:
             raise ValueError(f"a pass at position {start} on a recurrent state of length {self.length}")
-        self.start, self.window = start, window
+        self.extending = (window and self.window and not self.rolled_back and start + rows - self.start <= self.span)
+        if not self.extending:
+            self.start = start
+        self.window, self.rolled_back = window, False
 
     def state_before(self, j: int, layer) -> tuple[Tensor, Tensor]:
         """Layer j's (conv, ssm) at the pass's start: in replay mode, after replaying what a rollback
@@ -109,7 +116,10 @@ class RecurrentState:
         if not self.window:
             pass
         elif self.mode == "snapshot":
-            self.snapshots[j] = [(self.conv[j], self.ssm[j])] + (after_rows or [])
+            before = [] if self.extending else [(self.conv[j], self.ssm[j])]
+            self.snapshots[j] = (self.snapshots[j] if self.extending else []) + before + (after_rows or [])
+        elif self.extending:
+            self.inputs[j] = torch.cat([self.inputs[j], rows])
         else:
             self.checkpoint[j] = (self.conv[j], self.ssm[j])
             self.inputs[j] = rows

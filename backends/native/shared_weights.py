@@ -52,7 +52,7 @@ class SharedWeights(TorchBackend):
         self.base = engine
         self.cached = []
         m = engine.model
-        self.own = KVCache(m.cfg, m.cache.max_len, m.cache_dtype, m.device, m.rollback)
+        self.own = KVCache(m.cfg, m.cache.max_len, m.cache_dtype, m.device, m.rollback, m.rollback_span)
         self.inside = False  # whether our keys and values are in model.cache right now
 
     @contextlib.contextmanager

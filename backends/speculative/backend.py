@@ -14,7 +14,7 @@ from .gate import DraftGate
 from .loop import Drafter, speculative_stream
 
 
-METHODS = ("ngram", "draft", "mtp", "dflash")
+METHODS = ("ngram", "draft", "mtp", "dflash", "replayssm")
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def make_drafter(settings: SpeculativeSettings, target: TorchBackend) -> Drafter
 def make_model_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
     if s.method == "ngram":
         return NgramDrafter(s.ngram_min, s.ngram_max, s.copy_depth)
-    if s.method == "draft":
+    if s.method in ("draft", "replayssm"):
         return make_draft_model_drafter(s, target)
     if s.method == "mtp":
         return make_mtp_drafter(s, target)
@@ -114,17 +114,29 @@ def make_model_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
 
 
 def make_draft_model_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
-    """A small model with the target's tokenizer, loaded with the target's own engine settings."""
-    engine = TorchBackend(s.drafter, s.drafter_kind, **(target.settings | {"context": target.context_length}))
+    """A small model with the target's tokenizer, loaded with the target's own engine settings;
+    for `replayssm`, a recurrent one (every layer Gated DeltaNet), its state rolled back by replay."""
+    changes = {"context": target.context_length}
+    if s.method == "replayssm":
+        changes |= {"rollback": "replay", "compile": False}  # its one-token steps are eager (no graphs yet)
+    engine = TorchBackend(s.drafter, s.drafter_kind, **(target.settings | changes))
     try:
         check_same_tokenizer(target, engine, str(s.drafter))
+        cfg = engine.model.cfg
+        attention = sum(not cfg.is_linear(i) for i in range(cfg.n_layers))
+        if s.method == "replayssm" and attention:
+            raise BackendError(f"{s.drafter}: method replayssm drafts with a recurrent model (every layer "
+                               f"linear_attention), but this one has {attention} attention layer(s) of "
+                               f"{cfg.n_layers}; use method: draft for it, or train one with `specchat train replayssm`")
     except BackendError:
         engine.close()
         raise
     head = engine.model.head.weight
     if target.model.runs_int4 and head is not None and Int4Rows.fits(head):
         engine.model.set_head(int4_linear(head))  # its full-vocabulary head is most of a small drafter's cost
-    return DraftModelDrafter(engine, want_q=s.acceptance == "rejection")
+    drafter = DraftModelDrafter(engine, want_q=s.acceptance == "rejection")
+    drafter.name = s.method
+    return drafter
 
 
 def make_mtp_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:

@@ -102,6 +102,8 @@ class DraftModelDrafter(Drafter):
             depth = max(0, e.context_length - n)
         if depth == 0:
             return Draft([])
+        # a hybrid draft model's state must return into this proposal's passes at the next one
+        e.hold_positions(2 * depth + 2)
         reuse = e.restart_point(min(common_prefix(e.cached, tokens), n - 1))
         state, _ = e.forward(tokens[reuse:], reuse, all_logits=False, head=False)
         out, qs = [], []

@@ -1,4 +1,4 @@
-"""`specchat train data|draft|mtp|dflash`: argparse wiring (added to the main parser by `add_train_parser`)."""
+"""`specchat train data|draft|replayssm|mtp|dflash`: argparse wiring (added to the main parser by `add_train_parser`)."""
 from __future__ import annotations
 
 import argparse
@@ -42,8 +42,10 @@ def cmd_prompts(args) -> int:
 def cmd_draft(args) -> int:
     from specchat.train.draft import DraftShape, train_draft
 
+    recurrent = args.train_command == "replayssm"
     shape = DraftShape(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-                       ffn=args.ffn)
+                       ffn=args.ffn, recurrent=recurrent, **({"linear_heads": args.linear_heads,
+                                                           "linear_head_dim": args.linear_head_dim} if recurrent else {}))
     cfg = config_from_args(DraftTrainConfig, args)
     train_draft(get_profile(args.target), [Path(d) for d in args.data], Path(args.out), shape, cfg, say=_say)
     return 0
@@ -132,6 +134,17 @@ def add_train_parser(sub) -> None:
     p.add_argument("--freeze-embedding", action="store_true",
                    help="keep the projected target embedding (and tied head) fixed; trains only the layers")
     p.set_defaults(func=cmd_draft)
+
+    p = tsub.add_parser("replayssm", **subcommand("train replayssm"))
+    add_training_flags(p, DraftTrainConfig(), "model")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=192)
+    p.add_argument("--linear-heads", type=int, default=2, help="key heads per layer (value heads: twice as many)")
+    p.add_argument("--linear-head-dim", type=int, default=64)
+    p.add_argument("--ffn", type=int, default=576)
+    p.add_argument("--freeze-embedding", action="store_true",
+                   help="keep the projected target embedding (and tied head) fixed; trains only the layers")
+    p.set_defaults(func=cmd_draft, heads=1, kv_heads=1)  # no attention layers
 
     p = tsub.add_parser("mtp", **subcommand("train mtp"))
     add_training_flags(p, MtpTrainConfig(), "head")

@@ -1,11 +1,14 @@
-"""`specchat train draft`: a small Llama draft model distilled from the target's replies.
+"""`specchat train draft` / `specchat train replayssm`: a small draft model distilled from the
+target's replies: a Llama (attention layers), or with `recurrent` a stack of Gated DeltaNet layers
+only (Qwen3.5's linear attention), whose cost per drafted token does not grow with the context.
 
-- Shape: `DraftShape` (layers, hidden, heads, ffn); the tied embedding is the target's,
+- Shape: `DraftShape` (layers, hidden, heads, ffn; linear heads); the tied embedding is the target's,
   dequantized by the engine's own loader and, when the hidden size is smaller, projected onto
   its top principal directions (a low-rank init that keeps the head close to the target's).
 - Loss at every reply position: KL from the target's top-k distribution (renormalised over
   those k) to the drafter's, plus cross-entropy on the token the target chose.
-- The model is transformers' own Llama: the output is a checkpoint any Llama loader reads, and a
+- The model is transformers' own class (Llama, or Qwen3.5's text model with every layer
+  `linear_attention`): the output is a checkpoint transformers and the torch engine read, and a
   drafter's arithmetic only decides how often it guesses right. The run is the shared loop
   (loop.py): deterministic for a seed, resumable.
 - Output: a Hugging Face directory (config, bfloat16 safetensors, the target's tokenizer,
@@ -37,6 +40,13 @@ class DraftShape:
     heads: int = 4
     kv_heads: int = 2
     ffn: int = 768
+    recurrent: bool = False  # Gated DeltaNet layers instead of attention (the ReplaySSM drafter)
+    linear_heads: int = 2  # recurrent: key heads (value heads: twice as many, as in Qwen3.5)
+    linear_head_dim: int = 64
+
+    @property
+    def kind(self) -> str:
+        return "Gated DeltaNet (recurrent)" if self.recurrent else "Llama-architecture"
 
 
 # ---- the target's pieces ----
@@ -68,10 +78,22 @@ def project_embedding(embed: torch.Tensor, hidden: int, gen: torch.Generator) ->
 def draft_config(shape: DraftShape, tcfg, tokenizer):
     from transformers import LlamaConfig
 
-    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
+    if not shape.recurrent and (shape.hidden % shape.heads or shape.heads % shape.kv_heads):
         raise BackendError(f"hidden {shape.hidden} must divide by heads {shape.heads}, and heads by kv-heads "
                            f"{shape.kv_heads}")
     eos = sorted(tokenizer.eos_ids)
+    if shape.recurrent:
+        from transformers import Qwen3_5TextConfig
+
+        lh, d = shape.linear_heads, shape.linear_head_dim
+        return Qwen3_5TextConfig(vocab_size=tcfg.vocab_size, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                                 num_hidden_layers=shape.layers, layer_types=["linear_attention"] * shape.layers,
+                                 linear_num_key_heads=lh, linear_num_value_heads=2 * lh, linear_key_head_dim=d,
+                                 linear_value_head_dim=d, linear_conv_kernel_dim=4,
+                                 num_attention_heads=1, num_key_value_heads=1, head_dim=d,  # no attention layer
+                                 max_position_embeddings=tcfg.max_position, rms_norm_eps=tcfg.norm_eps,
+                                 tie_word_embeddings=True, bos_token_id=tokenizer.hf.bos_token_id,
+                                 eos_token_id=eos[0] if len(eos) == 1 else eos)
     return LlamaConfig(vocab_size=tcfg.vocab_size, hidden_size=shape.hidden, intermediate_size=shape.ffn,
                        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                        num_key_value_heads=shape.kv_heads, head_dim=shape.hidden // shape.heads,
@@ -103,7 +125,7 @@ def collate(batch: list[Example]):
 
 def losses(model, batch, cfg: DraftTrainConfig):
     ids, rows, cols, top_ids, top_logp, targets = batch
-    hidden = model.model(input_ids=ids).last_hidden_state[rows, cols]  # [N, H] at reply positions
+    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[rows, cols]  # [N, H] at reply positions
     logq = torch.log_softmax(F.linear(hidden, model.get_input_embeddings().weight).float(), dim=-1)
     p = torch.softmax(top_logp, dim=-1)  # the target's top-k, renormalised
     kl = (p * (torch.log(p.clamp_min(1e-12)) - logq.gather(1, top_ids))).sum(-1).mean()
@@ -133,15 +155,17 @@ def evaluate(model, examples: list[Example], cfg: DraftTrainConfig) -> dict:
 
 def retrain_command(profile, data: list[Path], out: Path, shape: DraftShape, cfg: DraftTrainConfig) -> str:
     """The one shell command that makes this drafter again from scratch: data, then training."""
-    return full_command(profile, data, f"specchat train draft --data {' '.join(map(str, data))} "
+    layers = (f"--linear-heads {shape.linear_heads} --linear-head-dim {shape.linear_head_dim}" if shape.recurrent
+              else f"--heads {shape.heads} --kv-heads {shape.kv_heads}")
+    return full_command(profile, data, f"specchat train {'replayssm' if shape.recurrent else 'draft'} "
+                        f"--data {' '.join(map(str, data))} "
                         f"--target {profile.name} --out {out} --layers {shape.layers} --hidden {shape.hidden} "
-                        f"--heads {shape.heads} "
-                        f"--kv-heads {shape.kv_heads} --ffn {shape.ffn} {flags_of(cfg)}"
+                        f"{layers} --ffn {shape.ffn} {flags_of(cfg)}"
                         + (" --freeze-embedding" if cfg.freeze_embedding else ""))
 
 
 def train_draft(profile, data: list[Path], out: Path, shape: DraftShape, cfg: DraftTrainConfig, say=print) -> dict:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     loop.start(cfg)
     data = [Path(d) for d in data]
@@ -158,19 +182,19 @@ def train_draft(profile, data: list[Path], out: Path, shape: DraftShape, cfg: Dr
 
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
-    model = LlamaForCausalLM(draft_config(shape, tcfg, tokenizer)).float()
+    model = AutoModelForCausalLM.from_config(draft_config(shape, tcfg, tokenizer)).float()
     with torch.no_grad():
         emb = project_embedding(embed, shape.hidden, gen)
         model.get_input_embeddings().weight.copy_(emb)
         # logits of the target's order of magnitude (a unit norm gives huge ones; a near-uniform start
-        # makes Adam spend hundreds of steps growing the norm)
-        model.model.norm.weight.fill_(2.0 / (emb.std().item() * shape.hidden ** 0.5))
+        # makes Adam spend hundreds of steps growing the norm); Qwen3.5's norms scale by 1 + w
+        model.model.norm.weight.fill_(2.0 / (emb.std().item() * shape.hidden ** 0.5) - float(shape.recurrent))
     del embed
     model.get_input_embeddings().weight.requires_grad_(not cfg.freeze_embedding)
     state = loop.TrainState(out, settings)
     plan = schedule(len(train_set), [len(e.tokens) for e in train_set], cfg.batch_tokens, cfg.seed, cfg.steps)
     n_params = sum(p.numel() for p in model.parameters())
-    say(f"draft model: {shape.layers} layers, hidden {shape.hidden}, {n_params / 1e6:.1f}M parameters; "
+    say(f"draft model ({shape.kind}): {shape.layers} layers, hidden {shape.hidden}, {n_params / 1e6:.1f}M parameters; "
         f"{len(train_set)} training / {len(eval_set)} held-out samples")
 
     def step_loss(step: int) -> dict:
@@ -197,7 +221,7 @@ def export(model, tokenizer, out: Path) -> None:
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = model.config.to_dict()
     cfg["dtype"] = "bfloat16"
-    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["architectures"] = [type(model).__name__]
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     tokenizer.hf.save_pretrained(str(out))
     eos = sorted(tokenizer.eos_ids)
@@ -205,18 +229,30 @@ def export(model, tokenizer, out: Path) -> None:
         {"bos_token_id": tokenizer.hf.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos}, indent=2))
 
 
+RECURRENT_NOTE = """ Every layer is a Gated DeltaNet (Qwen3.5's linear attention) with a fixed-size
+state: its cost per drafted token does not grow with the context. In a speculative run its state
+is rolled back to the accepted prefix like a hybrid target's (`speculative.rollback`)."""
+
+
+def layer_shape(shape: DraftShape) -> str:
+    if shape.recurrent:
+        return (f"{shape.linear_heads} key / {2 * shape.linear_heads} value heads of {shape.linear_head_dim}, "
+                "4-tap convolution")
+    return f"{shape.heads} heads ({shape.kv_heads} KV)"
+
+
 def write_card(out: Path, profile, data_info: dict, settings: dict, shape: DraftShape, cfg: DraftTrainConfig,
                last: dict, n_params: int, wall: float, n_train: int, n_eval: int, command: str) -> None:
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
     text = f"""# Draft model for `{profile.name}` ({profile.model})
 
-A small Llama-architecture draft model for lossless speculative decoding in specchat, with the
-target's own tokenizer. Trained by `specchat train draft` (distillation) on replies the target itself
-wrote with `specchat train data`.
+A small {shape.kind} draft model for lossless speculative decoding in specchat, with the
+target's own tokenizer. Trained by `specchat train {"replayssm" if shape.recurrent else "draft"}` (distillation) on replies the
+target itself wrote with `specchat train data`.{RECURRENT_NOTE if shape.recurrent else ""}
 
 | | |
 |---|---|
-| shape | {shape.layers} layer(s), hidden {shape.hidden}, {shape.heads} heads ({shape.kv_heads} KV), FFN {shape.ffn}, tied embedding |
+| shape | {shape.layers} layer(s), hidden {shape.hidden}, {layer_shape(shape)}, FFN {shape.ffn}, tied embedding |
 | parameters | {n_params / 1e6:.2f} M ({size_mb:.1f} MB as bfloat16 safetensors) |
 | embedding | {"frozen: " if cfg.freeze_embedding else "trained, initialised from "}the target's embedding, dequantized by the engine's loader{", projected onto its top " + str(shape.hidden) + " principal directions" if shape.hidden < 576 else ""} |
 | data | {n_train} training + {n_eval} held-out replies by the target to prompts from {prompt_sources(data_info)}; greedy={data_info.get('temperature', 0) == 0}, max {data_info.get('max_tokens', '?')} tokens, top-{data_info.get('top_k', '?')} log-probs kept |

@@ -218,3 +218,24 @@ def test_block_memory_is_stated_for_both_modes(hybrid_dirs):
     one_state = ((s.conv_kernel - 1) * s.conv_dim + s.v_heads * s.k_dim * s.v_dim) * 4
     assert state.block_bytes(8, "snapshot") == 2 * 8 * one_state  # two linear layers
     assert state.block_bytes(8, "replay") == 2 * (one_state + 8 * (s.conv_dim + 2 * s.v_heads) * 4)
+
+
+@pytest.mark.parametrize("mode", ROLLBACK_MODES)
+def test_held_positions_span_consecutive_passes(hybrid_dirs, mode):
+    """A draft model's one-token passes: with hold_positions, the next proposal can roll back into
+    any of them, and decoding from there equals a fresh decode."""
+    path = hybrid_dirs["qwen3_5"]
+    e = engine(path, mode)
+    e.hold_positions(8)
+    ids = random_ids(40)
+    e.forward(ids[:20], 0)
+    for i in range(20, 26):
+        e.forward([ids[i]], i)
+    assert [e.restart_point(n) for n in (26, 22, 20, 19)] == [26, 22, 20, 0]  # 20..26: the one-token passes
+    e.truncate(22)
+    got, _ = e.forward(ids[30:33], 22)
+    want, _ = engine(path, mode).forward(ids[:22] + ids[30:33], 0)
+    assert (got - want[-3:]).abs().max() < ATOL
+    for i in range(25, 40):  # past the span, the window starts again at the latest pass
+        e.forward([ids[i]], i)
+    assert e.restart_point(39) == 39 and e.restart_point(30) == 0

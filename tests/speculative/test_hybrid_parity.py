@@ -128,3 +128,20 @@ def test_the_unmutated_rollback_passes_the_same_check(hybrid_pair, mode):
         spec = backend_module.SpeculativeBackend(target, drafter, 4)
         for messages in PROMPTS:
             assert check_prompt(spec, target, Request(messages=messages), sampling)[2].kind == "identical"
+
+
+def test_a_hybrid_draft_model_never_prefills_again(hybrid):
+    """Its state returns into its own proposals' passes, so after the first pass it only ever feeds
+    the tokens it has not seen."""
+    target, drafters = hybrid
+    drafter = drafters["near"]()
+    starts = []
+    forward = drafter.engine.forward
+    drafter.engine.forward = lambda tokens, start, *a, **k: (starts.append((start, len(tokens))), forward(
+        tokens, start, *a, **k))[1]
+    try:
+        _, out, verdict = compare(target, drafter, 4, Sampling(max_tokens=40))
+    finally:
+        drafter.engine.forward = forward
+    assert verdict.kind == "identical" and out.accepted_tokens > 0
+    assert all(n <= 5 for start, n in starts[1:]), starts  # catch-up passes of at most depth + 1 tokens

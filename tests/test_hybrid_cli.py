@@ -1,0 +1,47 @@
+"""A hybrid checkpoint as a user runs it: `specchat run --set model=DIR` streams transformers'
+tokens, `specchat verify` with its built-in MTP head finds no mismatch in either rollback mode."""
+import json
+
+import pytest
+import torch
+
+from specchat import cli
+from tests.native.tiny import add_mtp_head, make_hybrid_checkpoint
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    path = make_hybrid_checkpoint(tmp_path_factory.mktemp("hybrid-cli") / "m", "qwen3_5", seed=3)
+    add_mtp_head(path, "qwen3_next", seed=4)
+    return path
+
+
+def test_run_streams_what_transformers_generates(hybrid_dir, isolated_dirs, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert cli.main(["run", "--set", f"model={hybrid_dir}", "--set", "dtype=float32", "--json",
+                     "--max-tokens", "24", "the quick brown fox"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    tok = AutoTokenizer.from_pretrained(str(hybrid_dir))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "the quick brown fox"}], add_generation_prompt=True,
+                                     return_dict=True)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(str(hybrid_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=[2, 0],
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    assert out["token_ids"] == want[:len(out["token_ids"])] and out["tokens"] >= 5
+
+
+@pytest.mark.parametrize("rollback", ["snapshot", "replay"])
+def test_verify_with_the_builtin_mtp_head_finds_no_mismatch(hybrid_dir, isolated_dirs, tmp_path, capsys, rollback):
+    profile = tmp_path / "hybrid-mtp.yaml"
+    profile.write_text(f"model: {hybrid_dir}\ndtype: float32\ncontext: 256\n"
+                       f"speculative: {{method: mtp, depth: 3, rollback: {rollback}}}\n")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [t]}) + "\n" for i, t in
+                               enumerate(["the quick brown fox", "hello world, how are you today?",
+                                          "Paris is the capital of France."])))
+    for extra in ([], ["--temperature", "0.7"]):
+        code = cli.main(["verify", "-p", str(profile), "--prompts", str(prompts), "--max-tokens", "40", "--json", *extra])
+        out = json.loads(capsys.readouterr().out)
+        assert code == 0 and out["mismatches"] == 0 and len(out["prompts_checked"]) == 3
