@@ -86,6 +86,13 @@ examples:
 examples:
   specchat train data --prompts runs/prompts.jsonl --out runs/data
   specchat train data --prompts runs/prompts.jsonl --out runs/data --batch 48""",
+    "train corpus": """\
+examples:
+  specchat train corpus --data runs/data --out profiles/drafters/corpus/smollm2""",
+    "train unpack": """\
+examples:
+  specchat train unpack --corpus profiles/drafters/corpus/smollm2 \\
+      --out runs/data""",
     "train draft": """\
 examples:
   specchat train draft --data runs/data --out runs/my-draft --steps 300
@@ -120,6 +127,8 @@ SUMMARIES = {
     "train": "train a draft model for a target (distillation data, then the drafter)",
     "train prompts": "let the target write training prompts itself (Magpie): varied, no dataset",
     "train data": "let the target answer training prompts; store replies and top-k probabilities",
+    "train corpus": "pack `train data` replies into the repository's corpus (token ids only)",
+    "train unpack": "a `train data` directory from a packed corpus (top-k recomputed)",
     "train draft": "train a small Llama draft model on `train data` output",
     "train replayssm": "train a small recurrent (Gated DeltaNet) draft model on `train data` output",
     "train mtp": "train an MTP head on the target's own hidden states (`train data` output)",

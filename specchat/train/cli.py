@@ -1,4 +1,4 @@
-"""`specchat train data|draft|replayssm|mtp|dflash`: argparse wiring (added to the main parser by `add_train_parser`)."""
+"""`specchat train data|corpus|unpack|draft|replayssm|mtp|dflash`: argparse wiring (added to the main parser by `add_train_parser`)."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +25,25 @@ def cmd_data(args) -> int:
     make_data(profile, args.prompts, Path(args.out), max_tokens=args.max_tokens, limit=args.limit,
               top_k=args.top_k, temperature=args.temperature, seed=args.seed, instances=args.instances,
               variants=args.variants, batch=args.batch, dtype=args.dtype, say=_say)
+    return 0
+
+
+def cmd_corpus(args) -> int:
+    from specchat.train.corpus import pack
+
+    for data in args.data:
+        added = pack(Path(data), Path(args.out))
+        _say(f"{data}: {added} new samples packed into {args.out}")
+    return 0
+
+
+def cmd_unpack(args) -> int:
+    from specchat.train.corpus import unpack
+
+    profile = get_profile(args.target)
+    if args.threads is not None:
+        profile = profile.model_copy(update={"threads": args.threads})
+    unpack(Path(args.corpus), Path(args.out), profile, top_k=args.top_k, say=_say)
     return 0
 
 
@@ -123,6 +142,19 @@ def add_train_parser(sub) -> None:
                    help="precision of the batched model (with --batch; default bfloat16: ~1.8x float32's rate)")
     p.add_argument("--threads", type=int, help="override the profile's threads (1 is fastest on a busy machine)")
     p.set_defaults(func=cmd_data)
+
+    p = tsub.add_parser("corpus", **subcommand("train corpus"))
+    p.add_argument("--data", nargs="+", required=True, help="`train data` directories to pack")
+    p.add_argument("--out", required=True, help="corpus directory (new samples are appended)")
+    p.set_defaults(func=cmd_corpus)
+
+    p = tsub.add_parser("unpack", **subcommand("train unpack"))
+    p.add_argument("--target", default="smollm2", help="the target profile that wrote the corpus")
+    p.add_argument("--corpus", required=True, help="a packed corpus directory")
+    p.add_argument("--out", required=True, help="data directory to write (resumable)")
+    p.add_argument("--top-k", type=int, default=32, help="target probabilities kept per position (default 32)")
+    p.add_argument("--threads", type=int, help="override the profile's threads")
+    p.set_defaults(func=cmd_unpack)
 
     p = tsub.add_parser("draft", **subcommand("train draft"))
     add_training_flags(p, DraftTrainConfig(), "model")

@@ -267,3 +267,30 @@ def test_retrain_command_remakes_every_data_directory(tmp_path):
     assert steps[0] == (f"specchat train prompts --target smollm2 --out {own} --count 1 --max-tokens 64 "
                         "--temperature 1.0 --top-p 0.95 --batch 48 --seed 0 --dtype bfloat16")
     assert steps[1].startswith(f"specchat train data --target smollm2 --prompts {own} --out {a} ")
+
+
+def test_the_corpus_keeps_replies_compactly_and_gives_them_back(tiny, trained, profile, tmp_path):
+    """Packed: uint16 ids and a manifest, nothing else; appending is idempotent; unpacked: the same
+    samples, with the target's top-k recomputed (greedy replies: each reply token is its top 1)."""
+    import numpy as np
+
+    from specchat.train.examples import load_examples
+
+    data, _ = trained
+    corpus = tmp_path / "corpus"
+    assert main(["train", "corpus", "--data", str(data), "--out", str(corpus)]) == 0
+    assert sorted(p.name for p in corpus.iterdir()) == ["info.json", "manifest.jsonl", "tokens.npz"]
+    with np.load(corpus / "tokens.npz") as z:
+        assert z["tokens"].dtype == np.uint16
+    size = (corpus / "manifest.jsonl").read_text()
+    assert main(["train", "corpus", "--data", str(data), "--out", str(corpus)]) == 0
+    assert (corpus / "manifest.jsonl").read_text() == size  # nothing twice
+    out = tmp_path / "unpacked"
+    assert main(["train", "unpack", "--target", profile, "--corpus", str(corpus), "--out", str(out),
+                 "--top-k", "8"]) == 0
+    want, got = load_examples([data]), load_examples([out])
+    assert [e.id for e in want] == [e.id for e in got]
+    for a, b in zip(want, got):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.prompt_len == b.prompt_len
+        replies = a.tokens[a.prompt_len:]
+        assert (b.topk_ids[:, 0] == replies).float().mean() > 0.9  # teacher-forced prefill vs decoding
