@@ -45,3 +45,19 @@ def test_verify_with_the_builtin_mtp_head_finds_no_mismatch(hybrid_dir, isolated
         code = cli.main(["verify", "-p", str(profile), "--prompts", str(prompts), "--max-tokens", "40", "--json", *extra])
         out = json.loads(capsys.readouterr().out)
         assert code == 0 and out["mismatches"] == 0 and len(out["prompts_checked"]) == 3
+
+
+def test_the_shipped_recurrent_drafter_fits_its_profile():
+    """profiles/drafters/smollm2-replayssm: at most 30 MB, every layer Gated DeltaNet, a card that
+    says how to make it again, and the profile that drafts with it."""
+    from specchat.backends.native.engine import TorchBackend
+    from specchat.profiles import load_profiles
+
+    profile = load_profiles().profiles["smollm2-replayssm"]
+    assert profile.speculative.method == "replayssm"
+    path = profile.resolve_path(profile.speculative.drafter)
+    assert (path / "model.safetensors").stat().st_size <= 30e6
+    cfg = TorchBackend(path, "hf_dir", threads=1, context=64).model.cfg
+    assert cfg.n_layers >= 1 and all(cfg.is_linear(i) for i in range(cfg.n_layers))
+    card = (path / "README.md").read_text()
+    assert "specchat train replayssm" in card and "specchat train unpack" in card

@@ -62,7 +62,8 @@ class DFlashConfig:
     def from_hf(cls, c: dict, where: str = "config.json") -> "DFlashConfig":
         d = c.get("dflash_config") or {}
         try:
-            layer = ModelConfig.from_hf(c)
+            # the layers' shape; their types (full / sliding attention) are read below
+            layer = ModelConfig.from_hf({k: v for k, v in c.items() if k != "layer_types"})
         except KeyError as e:
             raise BackendError(f"{where}: key {e} missing; is this a DFlash drafter's config.json?") from None
         block = c.get("block_size", d.get("block_size"))

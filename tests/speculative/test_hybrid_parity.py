@@ -33,9 +33,16 @@ def engine(path, rollback="snapshot", precision="float32") -> TorchBackend:
 @pytest.fixture(scope="module", params=ROLLBACK_MODES)
 def hybrid(request, hybrid_pair):
     """(target, drafter factories) in one rollback mode."""
+    from specchat.backends.speculative.dflash import DFlashDrafter, load_dflash
+    from tests.speculative.tiny_dflash import make_dflash_checkpoint
+
     target_path, near_path, dense_path = hybrid_pair
     target, near, dense = engine(target_path, request.param), engine(near_path), engine(dense_path)
+    # conditioned on a linear-attention layer (0) and an attention layer (1) of the target
+    dflash = load_dflash(make_dflash_checkpoint(target_path.parent / f"dflash-{request.param}", target_path,
+                                                block_size=7, target_layer_ids=(0, 1)), target.model.cfg)
     return target, {
+        "dflash": lambda: DFlashDrafter(dflash, target),
         "ngram": lambda: NgramDrafter(1, 3),
         "near": lambda: DraftModelDrafter(near),  # a hybrid drafter: its own state rolls back too
         "dense": lambda: DraftModelDrafter(dense),  # rejects nearly everything: rollback to the block's start
@@ -43,7 +50,7 @@ def hybrid(request, hybrid_pair):
     }
 
 
-@pytest.mark.parametrize("method", ["ngram", "near", "dense", "mtp"])
+@pytest.mark.parametrize("method", ["ngram", "near", "dense", "mtp", "dflash"])
 @pytest.mark.parametrize("depth", [1, 3, 6])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "t1.2-topk-topp"])
 def test_speculative_equals_target_only_on_a_hybrid(hybrid, method, depth, sampling):
