@@ -26,8 +26,10 @@ from .recurrent_state import ROLLBACK_MODES
 from .weights import Checkpoint, build_model, load_hf_dir
 
 # A hybrid model's rollback when a profile says auto, per device type: the one that measures
-# cheaper there (scripts/bench_recurrent.py; docs/results.md, "Recurrent-state rollback")
-DEFAULT_ROLLBACK = {"cpu": "snapshot", "cuda": "replay"}
+# cheaper there (scripts/bench_recurrent.py; docs/results.md, "recurrent-state rollback"). CUDA is
+# not measured yet; it runs the same torch ops, where replay redoes the kept rows' recurrence too.
+# Replay is the one to choose when memory is tight (a verify block keeps a fraction of snapshot's).
+DEFAULT_ROLLBACK = {"cpu": "snapshot", "cuda": "snapshot"}
 
 # What the torch engine computes with: a torch dtype for everything, or "int4": GGUF Q4_0/Q4_1
 # matrices on torch's group-wise int4 kernel with bfloat16 activations (CPU only).
