@@ -145,9 +145,6 @@ class RecurrentDecoderLayer(DecoderLayer):
     """Pre-norm residual layer around a Gated DeltaNet (`mixer`): x + mixer(norm(x)), then the MLP.
     Its state lives in the model's RecurrentState (recurrent_state.py), as layer `j` of it."""
 
-    def __init__(self, attn_norm: RMSNorm, mixer: GatedDeltaNet, mlp_norm: RMSNorm, mlp: GatedMLP):
-        super().__init__(attn_norm, mixer, mlp_norm, mlp)
-
     @property
     def mixer(self) -> GatedDeltaNet:
         return self.attention
@@ -163,7 +160,7 @@ class RecurrentDecoderLayer(DecoderLayer):
             o, conv, ssm = mixer.scan_chunked(conv, ssm, rows)
             after = None
         else:
-            o, conv, ssm, after = mixer.scan(conv, ssm, rows, keep=state.window and state.mode == "snapshot")
+            o, conv, ssm, after = mixer.scan(conv, ssm, rows, keep=state.keeps_snapshots)
         state.record(j, conv, ssm, rows, after)
         x = x + mixer.output(o, z, dtype, exact)
         return self.feed_forward(x, dtype, exact)

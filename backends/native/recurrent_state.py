@@ -98,6 +98,11 @@ class RecurrentState:
             self.start = start
         self.window, self.rolled_back = window, False
 
+    @property
+    def keeps_snapshots(self) -> bool:
+        """Whether this pass keeps the state after each of its rows (snapshot mode, in a window)."""
+        return self.window and self.mode == "snapshot"
+
     def state_before(self, j: int, layer) -> tuple[Tensor, Tensor]:
         """Layer j's (conv, ssm) at the pass's start: in replay mode, after replaying what a rollback
         left pending (with `layer`'s own one-token arithmetic)."""
@@ -113,16 +118,14 @@ class RecurrentState:
     def record(self, j: int, conv: Tensor, ssm: Tensor, rows: Tensor, after_rows: list | None) -> None:
         """Layer j's pass is done: its new state, its input rows [T, state_width] and (from a
         token-by-token scan) the state after each row, for the rollback window."""
-        if not self.window:
-            pass
-        elif self.mode == "snapshot":
-            before = [] if self.extending else [(self.conv[j], self.ssm[j])]
-            self.snapshots[j] = (self.snapshots[j] if self.extending else []) + before + (after_rows or [])
-        elif self.extending:
-            self.inputs[j] = torch.cat([self.inputs[j], rows])
-        else:
-            self.checkpoint[j] = (self.conv[j], self.ssm[j])
-            self.inputs[j] = rows
+        if self.keeps_snapshots:  # positions start.. : the state before the window, then after each row
+            kept = self.snapshots[j] if self.extending else [(self.conv[j], self.ssm[j])]
+            self.snapshots[j] = kept + after_rows
+        elif self.window:  # replay: the checkpoint at `start` and every input row since
+            if self.extending:
+                self.inputs[j] = torch.cat([self.inputs[j], rows])
+            else:
+                self.checkpoint[j], self.inputs[j] = (self.conv[j], self.ssm[j]), rows
         self.conv[j], self.ssm[j] = conv, ssm
 
     def end(self, length: int) -> None:

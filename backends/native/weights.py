@@ -153,7 +153,7 @@ def load_hf_dir(path: Path) -> Checkpoint:
     if vision:  # a multimodal checkpoint (Qwen3.5's published ones): specchat chats in text
         print(f"note: {path.name}: the vision tower ({len(vision)} tensors) is not loaded; specchat runs the "
               "text decoder", file=sys.stderr)
-        where = {n: f for n, f in where.items() if n not in set(vision)}
+        where = {n: f for n, f in where.items() if not n.startswith(("model.visual.", "visual."))}
     tensors: dict[str, Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name, f in where.items():
@@ -285,7 +285,9 @@ def build_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device
 def build_recurrent_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device: torch.device) -> dict:
     """A linear-attention layer's tensors (HF_LINEAR_NAMES' keys) as `gated_delta.recurrent_layer`
     takes them: the four input projections as one matmul (rows q|k|v|z|b|a)."""
-    dev = lambda key: layer[key].float().to(device)  # noqa: E731
+    def dev(key: str) -> Tensor:
+        return layer[key].float().to(device)
+
     return {
         "in_proj": _linear([layer[k] for k in ("qkv", "z", "b", "a")], [None] * 4, dtype, int4, device),
         "out": _linear([layer["out"]], [None], dtype, int4, device),

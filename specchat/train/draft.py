@@ -48,6 +48,11 @@ class DraftShape:
     def kind(self) -> str:
         return "Gated DeltaNet (recurrent)" if self.recurrent else "Llama-architecture"
 
+    @property
+    def command(self) -> str:
+        """The `specchat train` subcommand that trains this shape."""
+        return "replayssm" if self.recurrent else "draft"
+
 
 # ---- the target's pieces ----
 
@@ -157,7 +162,7 @@ def retrain_command(profile, data: list[Path], out: Path, shape: DraftShape, cfg
     """The one shell command that makes this drafter again from scratch: data, then training."""
     layers = (f"--linear-heads {shape.linear_heads} --linear-head-dim {shape.linear_head_dim}" if shape.recurrent
               else f"--heads {shape.heads} --kv-heads {shape.kv_heads}")
-    return full_command(profile, data, f"specchat train {'replayssm' if shape.recurrent else 'draft'} "
+    return full_command(profile, data, f"specchat train {shape.command} "
                         f"--data {' '.join(map(str, data))} "
                         f"--target {profile.name} --out {out} --layers {shape.layers} --hidden {shape.hidden} "
                         f"{layers} --ffn {shape.ffn} {flags_of(cfg)}"
@@ -230,8 +235,8 @@ def export(model, tokenizer, out: Path) -> None:
 
 
 RECURRENT_NOTE = """ Every layer is a Gated DeltaNet (Qwen3.5's linear attention) with a fixed-size
-state: its cost per drafted token does not grow with the context. In a speculative run its state
-is rolled back to the accepted prefix like a hybrid target's (`speculative.rollback`)."""
+state: its cost per drafted token does not grow with the context. In a speculative run
+(`method: replayssm`) its state is rolled back to the accepted prefix by replay."""
 
 
 def layer_shape(shape: DraftShape) -> str:
@@ -247,7 +252,7 @@ def write_card(out: Path, profile, data_info: dict, settings: dict, shape: Draft
     text = f"""# Draft model for `{profile.name}` ({profile.model})
 
 A small {shape.kind} draft model for lossless speculative decoding in specchat, with the
-target's own tokenizer. Trained by `specchat train {"replayssm" if shape.recurrent else "draft"}` (distillation) on replies the
+target's own tokenizer. Trained by `specchat train {shape.command}` (distillation) on replies the
 target itself wrote with `specchat train data`.{RECURRENT_NOTE if shape.recurrent else ""}
 
 | | |

@@ -14,7 +14,7 @@ from specchat.backends.speculative.backend import SpeculativeBackend
 from specchat.backends.speculative.mtp import MtpDrafter
 from specchat.cli import main
 from tests.native.tiny import CORPUS
-from tests.train.test_train import make_data, profile, tiny  # noqa: F401  (fixtures)
+from tests.train.test_train import isolated_tiny_profile, make_data, profile, tiny  # noqa: F401  (fixtures)
 
 STEPS = 6
 
@@ -28,12 +28,7 @@ def train(profile, data, out, *extra) -> int:
 @pytest.fixture(scope="module")
 def mtp_trained(tiny, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("mtp")
-    mp = pytest.MonkeyPatch()
-    for var in ("SPECCHAT_CONFIG_DIR", "SPECCHAT_DATA_DIR", "SPECCHAT_PROFILES_DIR"):
-        mp.setenv(var, str(root / var.lower()))
-    profiles = root / "specchat_profiles_dir"
-    profiles.mkdir()
-    (profiles / "tiny.yaml").write_text(f"backend: torch\nmodel: {tiny[1]}\ndtype: float32\nthreads: 1\ncontext: 256\n")
+    mp = isolated_tiny_profile(root, tiny[1])
     make_data(tiny, "tiny", root / "data")
     assert train("tiny", root / "data", root / "head") == 0
     yield root, root / "data", root / "head"

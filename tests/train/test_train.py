@@ -51,16 +51,23 @@ def train(tiny, profile, data: Path, out: Path, *extra) -> int:
                  "--threads", "1", *extra])
 
 
-@pytest.fixture(scope="module")
-def trained(tiny, tmp_path_factory):
-    """Data and one trained drafter, shared by the tests below (made inside an isolated profile dir)."""
-    root = tmp_path_factory.mktemp("trained")
+def isolated_tiny_profile(root: Path, target: Path) -> pytest.MonkeyPatch:
+    """specchat's directories under `root`, with profile `tiny` on `target`, for module-scoped
+    fixtures (the per-test isolation does not reach them); `undo()` the patch when done."""
     mp = pytest.MonkeyPatch()
     for var in ("SPECCHAT_CONFIG_DIR", "SPECCHAT_DATA_DIR", "SPECCHAT_PROFILES_DIR"):
         mp.setenv(var, str(root / var.lower()))
     profiles = root / "specchat_profiles_dir"
     profiles.mkdir()
-    (profiles / "tiny.yaml").write_text(f"backend: torch\nmodel: {tiny[1]}\ndtype: float32\nthreads: 1\ncontext: 256\n")
+    (profiles / "tiny.yaml").write_text(f"backend: torch\nmodel: {target}\ndtype: float32\nthreads: 1\ncontext: 256\n")
+    return mp
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory):
+    """Data and one trained drafter, shared by the tests below (made inside an isolated profile dir)."""
+    root = tmp_path_factory.mktemp("trained")
+    mp = isolated_tiny_profile(root, tiny[1])
     make_data(tiny, "tiny", root / "data")
     assert train(tiny, "tiny", root / "data", root / "draft") == 0
     mp.undo()

@@ -12,7 +12,7 @@ from specchat.backends.native.engine import TorchBackend
 from specchat.backends.speculative.backend import SpeculativeBackend, SpeculativeSettings, make_drafter
 from specchat.cli import main
 from tests.native.tiny import CORPUS
-from tests.train.test_train import STEPS, make_data, profile, tiny  # noqa: F401 (fixtures)
+from tests.train.test_train import STEPS, isolated_tiny_profile, make_data, profile, tiny  # noqa: F401 (fixtures)
 
 
 def train(profile, data, out, *extra) -> int:
@@ -25,12 +25,7 @@ def train(profile, data, out, *extra) -> int:
 @pytest.fixture(scope="module")
 def trained(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("trained-rssm")
-    mp = pytest.MonkeyPatch()
-    for var in ("SPECCHAT_CONFIG_DIR", "SPECCHAT_DATA_DIR", "SPECCHAT_PROFILES_DIR"):
-        mp.setenv(var, str(root / var.lower()))
-    profiles = root / "specchat_profiles_dir"
-    profiles.mkdir()
-    (profiles / "tiny.yaml").write_text(f"backend: torch\nmodel: {tiny[1]}\ndtype: float32\nthreads: 1\ncontext: 256\n")
+    mp = isolated_tiny_profile(root, tiny[1])
     make_data(tiny, "tiny", root / "data")
     assert train("tiny", root / "data", root / "rssm") == 0
     mp.undo()
