@@ -115,6 +115,9 @@ class Summary:
     prefill_start: int | None = None
     exact_tokens: int | None = None
     pass_log: list[tuple[list[int], int]] = field(default_factory=list)
+    # Per reply token, the most likely tokens there as (id, logprob) pairs, best first, where a
+    # server reports them (None: not reported for that token, e.g. llama-server's accepted drafts).
+    alternatives: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
     @property
     def decode_tok_s(self) -> float:

@@ -26,11 +26,12 @@ def extra_buffers_work(gguf_path: Path, cache_dir: Path | None = None) -> bool:
     any multi-token batch. We probe once per llama.cpp version in a child process and remember
     the answer (in `cache_dir` across processes, when given); without them llama.cpp stays
     correct, just without those kernels."""
-    import llama_cpp
+    import importlib.metadata
 
     if cache_dir is None:
         return _probe(str(gguf_path))
-    marker = Path(cache_dir) / f"llamacpp-{llama_cpp.__version__}-extra-buffers"
+    # The installed version, read without importing llama_cpp (which takes seconds).
+    marker = Path(cache_dir) / f"llamacpp-{importlib.metadata.version('llama-cpp-python')}-extra-buffers"
     ok_file, broken_file = Path(f"{marker}.ok"), Path(f"{marker}.broken")
     if ok_file.exists() or broken_file.exists():
         return ok_file.exists()

@@ -29,6 +29,8 @@ def load_backend(profile: Profile) -> Backend:
         return load_server(profile)
     if profile.backend == "llamacpp":
         return load_llamacpp(profile)
+    if profile.backend == "llamaserver":
+        return load_llamaserver(profile)
     if profile.method != "none":
         return load_speculative(profile)
     return load_target(profile)
@@ -137,3 +139,55 @@ def messages_for(profile: Profile, history: list[dict], system: str | None = Non
     """The conversation as the model sees it: the system prompt (if any) first."""
     system = system if system is not None else profile.system
     return ([{"role": "system", "content": system}] if system else []) + list(history)
+
+
+def load_llamaserver(profile: Profile, progress=None):
+    """The llama-server specchat starts for a profile (building the binary first if this machine has
+    none): the profile's GGUF with llama.cpp's speculation for its method."""
+    from specchat.backends.llamacpp import extra_buffers_work
+    from specchat.backends.llamaserver.backend import LlamaServerBackend, LlamaServerSettings
+    from specchat.backends.llamaserver.build import ensure_llama_server
+    from specchat.backends.llamaserver.flags import speculation_args
+
+    where = f"profile '{profile.name}'"
+    path, kind = target_path(profile)
+    if kind != "gguf":
+        raise BackendError(f"{where}: backend llamaserver needs a GGUF file, but model '{profile.model}' is a {kind}")
+    config, spec = profile.server_config, profile.speculative
+    try:
+        if config.binary:
+            binary = profile.resolve_path(config.binary)
+        else:
+            binary = ensure_llama_server(paths.cache_dir(), progress or _say)
+        drafter = None
+        if spec.method == "draft":
+            drafter = drafter_gguf(profile)
+        given = spec.model_fields_set
+        args = speculation_args(spec.method, ngram_type=config.ngram_type, drafter=drafter,
+                                depth=spec.depth if "depth" in given else None,
+                                lookup=spec.ngram_max if "ngram_max" in given else None)
+    except BackendError as e:
+        raise BackendError(f"{where}: {e}") from None
+    if spec.method != "none":
+        args += config.spec_args
+    settings = LlamaServerSettings(
+        path, profile.model, context=profile.context, threads=profile.threads, spec=tuple(args),
+        extra=tuple(config.args), port=config.port, startup_timeout_s=config.startup_timeout_s,
+        timeout_s=config.timeout_s, repack=extra_buffers_work(path, paths.cache_dir()))
+    log = paths.cache_dir() / "llama-server" / "logs" / f"{profile.name.replace(':', '-')}.log"
+    return LlamaServerBackend(binary, settings, log=log, where=where)
+
+
+def drafter_gguf(profile: Profile) -> Path:
+    """The profile's draft model as a GGUF file, as llama-server takes it."""
+    path, kind = local_model(profile.speculative.drafter, profile.base_dir)
+    if kind == "gguf":
+        return path
+    raise BackendError(f"speculative.drafter {profile.speculative.drafter!r} is a {kind}; llama-server takes a "
+                       "GGUF draft model")
+
+
+def _say(line: str) -> None:
+    import sys
+
+    print(f"specchat: {line}", file=sys.stderr, flush=True)

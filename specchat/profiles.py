@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from specchat import paths
+from specchat.profile_sections import (LlamaServerConfig, SamplingConfig, ServerConfig, SpeculativeConfig,
+                                       Strict)
 
-METHODS = ("none", "draft", "ngram", "mtp", "dflash", "replayssm")
 DEFAULT_PROFILE = "smollm2"
 
 
@@ -25,99 +26,11 @@ class ProfileError(Exception):
     """One clear line: which file, which key, what is expected."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class SamplingConfig(_Strict):
-    temperature: float = Field(0.0, ge=0.0, le=5.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int = Field(0, ge=0)
-    max_tokens: int = Field(512, ge=1)
-
-
-class SpeculativeConfig(_Strict):
-    method: Literal["none", "draft", "ngram", "mtp", "dflash", "replayssm"] = "none"
-    depth: int = Field(4, ge=1, le=64)
-    drafter: Optional[str] = None
-    acceptance: Literal["exact", "rejection"] = "exact"
-    ngram_max: int = Field(3, ge=1, le=16)
-    ngram_min: int = Field(1, ge=1, le=16)
-    # draft, mtp, dflash: try prompt lookup first (n-gram sizes ngram_max..ngram_min) and propose up
-    # to this many tokens that followed the match; the model drafter guesses when nothing matches. 0: off
-    lookup: int = Field(0, ge=0, le=64)
-    # prompt lookup (method ngram, or `lookup`): once the reply copies (the last 8 tokens appeared
-    # together earlier), propose up to this many tokens that followed, at most one fewer than the
-    # match is long, instead of `depth` (or `lookup`). 0: off
-    copy_depth: int = Field(0, ge=0, le=64)
-    # Verify with exactly the arithmetic of target-only decoding (row by row): true requires it,
-    # false turns it off, auto (unset) uses it where the kernels make it possible.
-    strict: Optional[bool] = None
-    # Draft only where it pays: pause a drafter (or the lookup or model half of `lookup`) while its
-    # drafted passes bring fewer tokens per second than plain ones, retrying now and then. The
-    # output is the same either way; false drafts on every pass (as `specchat ladder` measures).
-    adaptive: bool = True
-    # MTP: which target hidden state feeds the head (post_norm: after the final norm, as the
-    # reference implementations do; pre_norm: the last layer's output). Unset: what the head's
-    # config says, else post_norm.
-    mtp_hidden: Optional[Literal["post_norm", "pre_norm"]] = None
-    # Hybrid (linear-attention) targets: how their recurrent state returns to the accepted prefix
-    # after a verify block: keep the state after every row (snapshot) or one checkpoint and the
-    # block's inputs, replayed (replay, ReplaySSM). auto: the cheaper on the device (docs/results.md).
-    rollback: Literal["auto", "snapshot", "replay"] = "auto"
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.method == "draft" and not self.drafter:
-            raise ValueError("method 'draft' needs `drafter`: a GGUF file or model directory")
-        if self.method == "replayssm" and not self.drafter:
-            raise ValueError("method 'replayssm' needs `drafter`: a recurrent draft model directory "
-                             "(e.g. made by `specchat train replayssm`)")
-        if self.method == "dflash" and not self.drafter:
-            raise ValueError("method 'dflash' needs `drafter`: a DFlash drafter directory")
-        if self.lookup and self.method not in ("draft", "mtp", "dflash", "replayssm"):
-            raise ValueError(f"`lookup` puts prompt lookup in front of a model drafter (draft, mtp, dflash, replayssm); "
-                             f"method '{self.method}' has none (for prompt lookup alone use method: ngram)")
-        if self.copy_depth and self.method != "ngram" and not self.lookup:
-            raise ValueError("`copy_depth` lengthens prompt-lookup drafts: it needs method 'ngram', or `lookup` "
-                             "in front of a model drafter")
-        if self.ngram_min > self.ngram_max:
-            raise ValueError("ngram_min must be <= ngram_max")
-        return self
-
-
-class ServerConfig(_Strict):
-    """Where a `backend: openai` profile's model runs: any OpenAI-compatible server."""
-
-    base_url: str  # the OpenAI-compatible root, e.g. http://127.0.0.1:8000/v1
-    api_key_env: Optional[str] = None  # the environment variable that holds the key (never the key itself)
-    timeout_s: float = Field(60.0, gt=0)  # for connecting, and for the server to send the next chunk
-    metrics: Literal["auto", "vllm", "sglang", "llama-server", "none"] = "auto"
-    logprobs: bool = True  # ask for per-token logprobs (token ids where the server gives them)
-    stream: bool = True  # false: whole replies (SGLang reports its verify count only on those)
-    speculation: Optional[str] = None  # what the server runs, for display, e.g. "dflash, 15 tokens"
-
-    @field_validator("base_url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError("expected an http(s) URL such as http://127.0.0.1:8000/v1")
-        return v.rstrip("/")
-
-    @field_validator("api_key_env")
-    @classmethod
-    def _env_name(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and not v.replace("_", "a").isalnum():
-            raise ValueError("expected the NAME of an environment variable (e.g. VLLM_API_KEY), not the key")
-        return v
-
-
-class Profile(_Strict):
+class Profile(Strict):
     name: str
     description: str = ""
     extends: Optional[str] = None
-    backend: Literal["torch", "llamacpp", "openai"] = "torch"
+    backend: Literal["torch", "llamacpp", "llamaserver", "openai"] = "torch"
     model: str
     dtype: Literal["auto", "float32", "bfloat16", "float16", "int4"] = "auto"  # int4: Q4 GGUF weights, CPU
     device: str = "auto"
@@ -130,6 +43,7 @@ class Profile(_Strict):
     sampling: SamplingConfig = SamplingConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     server: Optional[ServerConfig] = None  # backend openai only
+    llama_server: Optional[LlamaServerConfig] = None  # backend llamaserver only
     source: Optional[str] = Field(None, exclude=True)  # the file it came from
 
     @field_validator("device")
@@ -153,6 +67,14 @@ class Profile(_Strict):
                                  "and leave speculative.method unset")
         elif self.server is not None:
             raise ValueError("`server:` is only for backend 'openai'")
+        if self.backend == "llamaserver":
+            if self.speculative.method not in ("none", "ngram", "draft"):
+                raise ValueError(f"llama-server runs method ngram or draft, not '{self.speculative.method}': use "
+                                 "backend torch for it")
+            if self.llama_server and self.llama_server.spec_args and self.speculative.method == "none":
+                raise ValueError("llama_server.spec_args add to a speculative method: set speculative.method")
+        elif self.llama_server is not None:
+            raise ValueError("`llama_server:` is only for backend 'llamaserver'")
         return self
 
     @property
@@ -164,7 +86,16 @@ class Profile(_Strict):
         """How this profile decodes, for lists and status bars."""
         if self.remote:
             return f"server: {self.server.speculation}" if self.server.speculation else "server-side"
+        if self.backend == "llamaserver" and self.method != "none":
+            kind = self.server_config.ngram_type if self.method == "ngram" else "draft-simple"
+            return f"llama.cpp {kind}" + (f" d={self.speculative.depth}" if "depth" in self.speculative.model_fields_set
+                                          else "")
         return "target-only" if self.method == "none" else f"{self.method} d={self.speculative.depth}"
+
+    @property
+    def server_config(self) -> LlamaServerConfig:
+        """A llamaserver profile's `llama_server:` section (its defaults when the profile has none)."""
+        return self.llama_server or LlamaServerConfig()
 
     @property
     def method(self) -> str:
@@ -185,10 +116,10 @@ class Profile(_Strict):
             raise ProfileError(
                 f"profile '{self.name}' runs on a server, whose speculation specchat cannot switch off: name a "
                 "reference profile (-r), e.g. the same model served without speculation, or a local one")
-        return self.model_copy(update={
-            "name": f"{self.name}:target-only",
-            "speculative": SpeculativeConfig(),
-        })
+        update = {"name": f"{self.name}:target-only", "speculative": SpeculativeConfig()}
+        if self.llama_server is not None:
+            update["llama_server"] = self.llama_server.model_copy(update={"spec_args": [], "port": None})
+        return self.model_copy(update=update)
 
     def with_overrides(self, settings: dict[str, Any] | None = None, **sampling: Any) -> "Profile":
         """A copy with some fields changed, validated like a file: `settings` maps dotted keys

@@ -44,6 +44,22 @@ def margin_function(reference: Backend, prompt: Sequence[int], ref_ids: Sequence
     return lambda i, a, b: (lambda s: s[0] - s[1])(scores_at(i, a, b))
 
 
+def reported_margin_function(ref: Summary, sampling: Sampling) -> Optional[Callable[[int, int, int], float]]:
+    """The reference's logprob gap between two tokens from the alternatives its server reported
+    (greedy only: there the gap of logprobs is the gap of logits). None where none were reported
+    or the other token is not among them (then it was no close second: a mismatch)."""
+    if not sampling.greedy or not any(ref.alternatives):
+        return None
+
+    def margin_at(i: int, a: int, b: int) -> Optional[float]:
+        top = dict(ref.alternatives[i]) if i < len(ref.alternatives) and ref.alternatives[i] else {}
+        if a not in top:
+            return None
+        return top[a] - top[b] if b in top else None
+
+    return margin_at
+
+
 def fresh(backend: Backend) -> Backend:
     """Empty the torch engine's KV cache so that both runs prefill the prompt identically."""
     for engine in (torch_engine_of(backend), getattr(getattr(backend, "drafter", None), "engine", None)):
@@ -154,6 +170,7 @@ def judge_replies(reference: Backend, request: Request, ref: Summary, other: Sum
         if prompt:
             row_choice = row_choice_function(other_backend, prompt, other, sampling)
     return judge_tokens(ref.token_ids, other.token_ids, reference.detokenize,
+                        margin_at=None if scores_at else reported_margin_function(ref, sampling),
                         tie_margin=tie_margin if tie_margin is not None else tie_margin_of(reference),
                         stops=(ref.stop_reason, other.stop_reason), scores_at=scores_at,
                         strict_until=arithmetic.exact_until, not_strict=arithmetic.beyond, row_choice=row_choice)

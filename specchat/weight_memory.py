@@ -78,7 +78,7 @@ def weight_bytes(profile: Profile, device: str = "cpu") -> Optional[int]:
         if ref.kind == "hub" or not ref.path.exists():
             return None
         ck = read_checkpoint(ref.path, ref.kind)
-        if profile.backend == "llamacpp":
+        if profile.backend in ("llamacpp", "llamaserver"):
             total += ck.file_bytes
         else:
             total += int(ck.parameters * BYTES_PER_PARAMETER[precision_of(profile, ck, device)])

@@ -145,3 +145,32 @@ def test_cli_profiles_lists_good_and_broken(user_dir, capsys, monkeypatch):
     assert "smollm2" in out and "broken" in out and "bogus" in out
     # brackets are text, not rich markup: neither dropped nor an error
     assert "[beta] [bold]my[/bold] test" in out and "expected ',' or ']'" in out
+
+
+def test_llamaserver_profiles_speculate_with_what_llama_cpp_runs(user_dir):
+    write(user_dir, "mod", "extends: smollm2-llamaserver\nspeculative: {method: ngram}\n"
+                           "llama_server: {ngram_type: ngram-mod, spec_args: [--spec-ngram-mod-n-min, '2']}\n")
+    ps = load_profiles()
+    mod = ps.profiles["mod"]
+    assert mod.method_label == "llama.cpp ngram-mod"
+    assert ps.profiles["smollm2-llamaserver-ngram"].method_label == "llama.cpp ngram-simple d=3"
+    reference = mod.target_only()
+    assert reference.method == "none" and reference.llama_server.spec_args == []
+    assert reference.llama_server.ngram_type == "ngram-mod"  # what else it runs stays
+
+
+@pytest.mark.parametrize("text, message", [
+    ("speculative: {method: mtp}", "llama-server runs method ngram or draft, not 'mtp'"),
+    ("llama_server: {spec_args: [--spec-type, ngram-mod]}", "spec_args add to a speculative method"),
+    ("llama_server: {args: [--port, '9000']}", "--port: specchat sets these"),
+    ("llama_server: {ngram_type: ngram-fancy}", "llama_server.ngram_type"),
+    ("llama_server: {port: 70000}", "llama_server.port"),
+])
+def test_broken_llamaserver_profiles_are_one_line(user_dir, text, message):
+    write(user_dir, "bad", f"extends: smollm2-llamaserver\n{text}\n")
+    assert message in load_profiles().errors["bad"]
+
+
+def test_llama_server_section_is_only_for_its_backend(user_dir):
+    write(user_dir, "bad", "extends: smollm2\nllama_server: {args: []}\n")
+    assert "only for backend 'llamaserver'" in load_profiles().errors["bad"]

@@ -8,7 +8,7 @@ from specchat.backends.speculative.drafters import NgramDrafter
 from specchat.backends.native.engine import TorchBackend
 from specchat.verify import fresh, judge_replies, row_choice_function, shared_arithmetic
 from tests.native.tiny import make_hf_checkpoint
-from tests.scripted import ScriptedBackend
+from tests.scripted import ScriptedBackend, piece_id
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +126,21 @@ def test_without_the_backend_that_made_it_no_token_counts_as_strict(target):
     other = Summary(STOP_MAX_TOKENS, token_ids=ids, exact_tokens=ref.exact_tokens, prefill_start=0)
     v = judge_replies(target, request, ref, other, sampling)
     assert v.index == 0 and not v.strict
+
+
+def test_a_servers_reported_alternatives_tell_a_near_tie_from_a_mismatch():
+    server = ScriptedBackend(["a b c d"])  # a backend with no engine to recompute rows on
+    t = {n: piece_id(f" t{n}") for n in range(1, 10)}
+    request, greedy = Request(messages=[{"role": "user", "content": "x"}]), Sampling(max_tokens=4)
+    ref = Summary(STOP_MAX_TOKENS, tokens=4, token_ids=[t[1], t[2], t[3], t[4]],
+                  alternatives=[[(t[1], -0.1), (t[7], -3.0)], [(t[2], -0.50), (t[9], -0.62)],
+                                [(t[3], -0.1), (t[8], -2.0)], None])
+    close = Summary(STOP_MAX_TOKENS, tokens=4, token_ids=[t[1], t[9], t[3], t[4]])
+    far = Summary(STOP_MAX_TOKENS, tokens=4, token_ids=[t[1], t[2], t[8], t[4]])
+    unlisted = Summary(STOP_MAX_TOKENS, tokens=4, token_ids=[t[1], t[5], t[3], t[4]])
+    tie = judge_replies(server, request, ref, close, greedy)
+    assert tie.kind == "near-tie" and tie.index == 1 and tie.margin == pytest.approx(0.12)
+    assert judge_replies(server, request, ref, far, greedy).kind == "mismatch"  # a gap of 1.9
+    assert judge_replies(server, request, ref, unlisted, greedy).kind == "mismatch"  # not even second
+    sampled = Sampling(max_tokens=4, temperature=0.7)  # logprobs are no score gap when sampling
+    assert judge_replies(server, request, ref, close, sampled).kind == "mismatch"

@@ -27,6 +27,7 @@ from .metrics import (SpecFigures, VllmCounters, llama_server_figures, sglang_fi
 METRICS = ("auto", "vllm", "sglang", "llama-server", "none")
 # vLLM updates its counters just after it sends a step's tokens: give the last step time to count.
 VLLM_SETTLE_S = 0.05
+TOP_LOGPROBS = 2
 FINISH = {"stop": STOP_EOS, "eos": STOP_EOS, "length": STOP_MAX_TOKENS}
 
 
@@ -137,8 +138,9 @@ class OpenAIBackend(Backend):
             body["top_k"] = sampling.top_k
         if self.logprobs:
             # Token ids: llama-server puts them in the logprobs; vLLM does when asked (other servers
-            # ignore fields they don't know).
-            body.update(logprobs=True, top_logprobs=0, return_tokens_as_token_ids=True, return_token_ids=True)
+            # ignore fields they don't know). llama-server sends no logprobs at all for top_logprobs 0
+            # (and 20 alternatives when it is left out); the top two say how close a choice was.
+            body.update(logprobs=True, top_logprobs=TOP_LOGPROBS, return_tokens_as_token_ids=True, return_token_ids=True)
         if self.metrics in ("auto", "sglang"):
             body["return_meta_info"] = True
         return body

@@ -128,12 +128,12 @@ class ServerConnection:
 
     @contextlib.contextmanager
     def events(self, path: str, body: dict, cancel: Optional[threading.Event] = None,
-               model: Optional[str] = None) -> Iterator["EventStream"]:
+               model: Optional[str] = None, root: bool = False) -> Iterator["EventStream"]:
         """POST and iterate over the JSON payloads of the server-sent events until `[DONE]`.
 
         A set `cancel` closes the connection even while the server is silent (a long prefill):
         the server sees the client go and stops generating."""
-        url = self.url(path)
+        url = self.url(path, root)
         try:
             with self.client.stream("POST", url, json=body) as response:
                 if response.is_error:

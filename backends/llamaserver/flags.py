@@ -1,0 +1,79 @@
+"""llama-server's command line for a model, a context and a speculative method.
+
+specchat's method names map onto llama.cpp's speculative types (`--spec-type`, llama.cpp's
+common/speculative.cpp); llama.cpp's other types are reached with explicit arguments instead.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..base import BackendError
+
+# For each n-gram type, the flags of its lookup length and of its draft length (llama.cpp's common/arg.cpp).
+NGRAM_SIZE_FLAGS = {
+    "ngram-simple": ("--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m"),
+    "ngram-map-k": ("--spec-ngram-map-k-size-n", "--spec-ngram-map-k-size-m"),
+    "ngram-map-k4v": ("--spec-ngram-map-k4v-size-n", "--spec-ngram-map-k4v-size-m"),
+    "ngram-mod": ("--spec-ngram-mod-n-match", "--spec-ngram-mod-n-max"),
+    "ngram-cache": (None, None),
+}
+
+
+def speculation_args(method: str, *, ngram_type: str = "ngram-simple", depth: Optional[int] = None,
+                     lookup: Optional[int] = None, drafter: Optional[Path] = None) -> list[str]:
+    """llama-server's speculative flags for a method. `depth` (tokens drafted a pass) and `lookup`
+    (tokens matched, n-gram types) are passed only when given: unset, llama.cpp's own defaults hold."""
+    if method == "none":
+        return []
+    if method == "ngram":
+        if ngram_type not in NGRAM_SIZE_FLAGS:
+            raise BackendError(f"unknown llama.cpp n-gram type {ngram_type!r} ({', '.join(NGRAM_SIZE_FLAGS)})")
+        lookup_flag, depth_flag = NGRAM_SIZE_FLAGS[ngram_type]
+        args = ["--spec-type", ngram_type]
+        if lookup is not None and lookup_flag:
+            args += [lookup_flag, str(lookup)]
+        if depth is not None and depth_flag:
+            args += [depth_flag, str(depth)]
+            if ngram_type == "ngram-mod":
+                args += ["--spec-ngram-mod-n-min", "1"]  # its default (48) is above small depths
+        return args
+    if method == "draft":
+        if drafter is None or Path(drafter).suffix.lower() != ".gguf":
+            raise BackendError("llama-server's draft model must be a GGUF file")
+        args = ["--spec-type", "draft-simple", "-md", str(drafter)]
+        if depth is not None:
+            args += ["--spec-draft-n-max", str(depth), "--spec-draft-n-min", "0"]
+        return args
+    raise BackendError(f"llama-server runs method ngram or draft, not '{method}'")
+
+
+def spec_label(args: Sequence[str]) -> str:
+    """What the arguments make the server run, for lists and status bars (`ngram-mod`, `draft-simple ×8`)."""
+    args = list(args)
+    if "--spec-type" in args[:-1]:
+        label = args[args.index("--spec-type") + 1]
+    elif any(a in ("-md", "--model-draft", "--spec-draft-model") for a in args):
+        label = "draft-simple"
+    else:
+        return "target-only"
+    for flag in ("--spec-draft-n-max", *(depth for _, depth in NGRAM_SIZE_FLAGS.values() if depth)):
+        if flag in args[:-1]:
+            label += f" ×{args[args.index(flag) + 1]}"
+            break
+    return label
+
+
+def server_args(model: Path, alias: str, context: int, threads: int, *, spec: Sequence[str] = (),
+                extra: Sequence[str] = (), repack: bool = True) -> list[str]:
+    """The full command line after the binary (the host and port are the process's to add)."""
+    # One slot (the whole context for one reply), the counters `/metrics` reads, the GGUF's own chat
+    # template, and flash attention off as in llama-cpp-python (the `llamacpp` backend), whose
+    # target-only replies are then the server's token for token (`extra` may turn it back on).
+    args = ["-m", str(model), "--alias", alias, "-c", str(context), "-np", "1", "--metrics", "--no-webui",
+            "--jinja", "-fa", "off"]
+    if threads:
+        args += ["-t", str(threads)]
+    if not repack:
+        args.append("--no-repack")  # see backends/llamacpp.py: extra_buffers_work
+    return args + list(spec) + list(extra)

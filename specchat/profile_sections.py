@@ -1,0 +1,121 @@
+"""The sections of a profile (`sampling:`, `speculative:`, `server:`, `llama_server:`), each
+validated on its own so a problem names its key (see profiles.py for the whole profile)."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+METHODS = ("none", "draft", "ngram", "mtp", "dflash", "replayssm")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SamplingConfig(Strict):
+    temperature: float = Field(0.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0)
+    max_tokens: int = Field(512, ge=1)
+
+
+class SpeculativeConfig(Strict):
+    method: Literal["none", "draft", "ngram", "mtp", "dflash", "replayssm"] = "none"
+    depth: int = Field(4, ge=1, le=64)
+    drafter: Optional[str] = None
+    acceptance: Literal["exact", "rejection"] = "exact"
+    ngram_max: int = Field(3, ge=1, le=16)
+    ngram_min: int = Field(1, ge=1, le=16)
+    # draft, mtp, dflash: try prompt lookup first (n-gram sizes ngram_max..ngram_min) and propose up
+    # to this many tokens that followed the match; the model drafter guesses when nothing matches. 0: off
+    lookup: int = Field(0, ge=0, le=64)
+    # prompt lookup (method ngram, or `lookup`): once the reply copies (the last 8 tokens appeared
+    # together earlier), propose up to this many tokens that followed, at most one fewer than the
+    # match is long, instead of `depth` (or `lookup`). 0: off
+    copy_depth: int = Field(0, ge=0, le=64)
+    # Verify with exactly the arithmetic of target-only decoding (row by row): true requires it,
+    # false turns it off, auto (unset) uses it where the kernels make it possible.
+    strict: Optional[bool] = None
+    # Draft only where it pays: pause a drafter (or the lookup or model half of `lookup`) while its
+    # drafted passes bring fewer tokens per second than plain ones, retrying now and then. The
+    # output is the same either way; false drafts on every pass (as `specchat ladder` measures).
+    adaptive: bool = True
+    # MTP: which target hidden state feeds the head (post_norm: after the final norm, as the
+    # reference implementations do; pre_norm: the last layer's output). Unset: what the head's
+    # config says, else post_norm.
+    mtp_hidden: Optional[Literal["post_norm", "pre_norm"]] = None
+    # Hybrid (linear-attention) targets: how their recurrent state returns to the accepted prefix
+    # after a verify block: keep the state after every row (snapshot) or one checkpoint and the
+    # block's inputs, replayed (replay, ReplaySSM). auto: the cheaper on the device (docs/results.md).
+    rollback: Literal["auto", "snapshot", "replay"] = "auto"
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.method == "draft" and not self.drafter:
+            raise ValueError("method 'draft' needs `drafter`: a GGUF file or model directory")
+        if self.method == "replayssm" and not self.drafter:
+            raise ValueError("method 'replayssm' needs `drafter`: a recurrent draft model directory "
+                             "(e.g. made by `specchat train replayssm`)")
+        if self.method == "dflash" and not self.drafter:
+            raise ValueError("method 'dflash' needs `drafter`: a DFlash drafter directory")
+        if self.lookup and self.method not in ("draft", "mtp", "dflash", "replayssm"):
+            raise ValueError(f"`lookup` puts prompt lookup in front of a model drafter (draft, mtp, dflash, replayssm); "
+                             f"method '{self.method}' has none (for prompt lookup alone use method: ngram)")
+        if self.copy_depth and self.method != "ngram" and not self.lookup:
+            raise ValueError("`copy_depth` lengthens prompt-lookup drafts: it needs method 'ngram', or `lookup` "
+                             "in front of a model drafter")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min must be <= ngram_max")
+        return self
+
+
+class ServerConfig(Strict):
+    """Where a `backend: openai` profile's model runs: any OpenAI-compatible server."""
+
+    base_url: str  # the OpenAI-compatible root, e.g. http://127.0.0.1:8000/v1
+    api_key_env: Optional[str] = None  # the environment variable that holds the key (never the key itself)
+    timeout_s: float = Field(60.0, gt=0)  # for connecting, and for the server to send the next chunk
+    metrics: Literal["auto", "vllm", "sglang", "llama-server", "none"] = "auto"
+    logprobs: bool = True  # ask for per-token logprobs (token ids where the server gives them)
+    stream: bool = True  # false: whole replies (SGLang reports its verify count only on those)
+    speculation: Optional[str] = None  # what the server runs, for display, e.g. "dflash, 15 tokens"
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("expected an http(s) URL such as http://127.0.0.1:8000/v1")
+        return v.rstrip("/")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not v.replace("_", "a").isalnum():
+            raise ValueError("expected the NAME of an environment variable (e.g. VLLM_API_KEY), not the key")
+        return v
+
+
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+
+class LlamaServerConfig(Strict):
+    """How a `backend: llamaserver` profile runs the llama-server specchat starts for it."""
+
+    binary: Optional[str] = None  # your own llama-server build; unset: specchat builds one (once)
+    ngram_type: Literal[NGRAM_TYPES] = "ngram-simple"  # what llama.cpp runs for method ngram
+    args: list[str] = []  # more llama-server arguments, for the speculative run and its reference alike
+    spec_args: list[str] = []  # more speculative arguments (with a method), e.g. [--spec-draft-p-min, "0.5"]
+    port: Optional[int] = Field(None, ge=1, le=65535)  # unset: a free loopback port
+    startup_timeout_s: float = Field(120.0, gt=0)
+    timeout_s: float = Field(60.0, gt=0)  # for the server to send the next chunk
+
+    @field_validator("args", "spec_args")
+    @classmethod
+    def _no_owned(cls, v: list[str]) -> list[str]:
+        owned = {"-m", "--model", "--host", "--port", "-c", "--ctx-size", "--alias", "-a"} & set(v)
+        if owned:
+            raise ValueError(f"{', '.join(sorted(owned))}: specchat sets these from model, context and its own "
+                             "port; leave them out")
+        return v

@@ -1,0 +1,76 @@
+"""From a profile's method to llama-server's command line, and from its stream to passes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specchat.backends.base import BackendError
+from specchat.backends.llamaserver.backend import PassGrouper, Piece, spec_counters
+from specchat.backends.llamaserver.flags import server_args, spec_label, speculation_args
+
+
+def test_methods_map_to_llama_cpp_types_with_only_the_sizes_given():
+    assert speculation_args("none") == []
+    assert speculation_args("ngram") == ["--spec-type", "ngram-simple"]  # llama.cpp's own defaults
+    assert speculation_args("ngram", depth=3, lookup=2) == [
+        "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2", "--spec-ngram-simple-size-m", "3"]
+    assert speculation_args("ngram", ngram_type="ngram-map-k", depth=5)[-2:] == ["--spec-ngram-map-k-size-m", "5"]
+    assert speculation_args("ngram", ngram_type="ngram-mod", depth=8, lookup=4) == [
+        "--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "4", "--spec-ngram-mod-n-max", "8",
+        "--spec-ngram-mod-n-min", "1"]
+    assert speculation_args("draft", drafter=Path("d.gguf"), depth=4) == [
+        "--spec-type", "draft-simple", "-md", "d.gguf", "--spec-draft-n-max", "4", "--spec-draft-n-min", "0"]
+
+
+def test_what_llama_server_cannot_run_is_one_line():
+    with pytest.raises(BackendError, match="GGUF"):
+        speculation_args("draft", drafter=Path("a-directory"))
+    with pytest.raises(BackendError, match="ngram or draft, not 'mtp'"):
+        speculation_args("mtp")
+    with pytest.raises(BackendError, match="unknown llama.cpp n-gram type"):
+        speculation_args("ngram", ngram_type="ngram-fancy")
+
+
+def test_command_line_and_label():
+    args = server_args(Path("m.gguf"), "smollm2", 2048, 2, spec=speculation_args("ngram", depth=3), extra=["-b", "64"])
+    assert args[:6] == ["-m", "m.gguf", "--alias", "smollm2", "-c", "2048"]
+    assert "--metrics" in args and args[args.index("-t") + 1] == "2" and args[-2:] == ["-b", "64"]
+    assert "--no-repack" in server_args(Path("m.gguf"), "m", 64, 0, repack=False)
+    assert spec_label(speculation_args("ngram", depth=3)) == "ngram-simple ×3"
+    assert spec_label([]) == "target-only"
+
+
+def piece(ids, text, drafted=None, accepted=None, stop=None):
+    return Piece(list(ids), text, drafted, accepted, [None] * len(ids), stop)
+
+
+def test_cumulative_draft_counts_group_tokens_into_passes():
+    g = PassGrouper()
+    steps = [s for p in (piece([1], "a"), piece([2], "b"),
+                         piece([3], "c", 4, 4), piece([4], "d", 4, 4), piece([5], "e", 4, 4), piece([6], "f", 4, 4),
+                         piece([7], "g", 4, 4),  # the pass: 4 accepted + its own token
+                         piece([8], "h", 7, 4),  # a draft of 3, none accepted
+                         piece([9], "i", 7, 4),  # no draft this time
+                         piece([10], "j", 11, 6), piece([11], "k", 11, 6))  # cut short by the end of sequence
+             for s in g.add(p)] + list(g.flush())
+    assert [(s.token_ids, s.drafted, s.accepted) for s in steps] == [
+        ([1], 0, 0), ([2], 0, 0), ([3, 4, 5, 6, 7], 4, 4), ([8], 3, 0), ([9], 0, 0), ([10, 11], 4, 2)]
+    assert "".join(s.text for s in steps) == "abcdefghijk"
+
+
+def test_a_native_chunk_and_the_counters():
+    p = Piece.of({"content": "hi", "tokens": [5], "stop": False, "timings": {"draft_n": 3, "draft_n_accepted": 1},
+                  "completion_probabilities": [{"id": 5, "top_logprobs": [{"id": 5, "logprob": -0.1},
+                                                                         {"id": 9, "logprob": -2.0}]}]})
+    assert (p.token_ids, p.text, p.drafted, p.accepted, p.stop_type) == ([5], "hi", 3, 1, None)
+    assert p.alternatives == [[(5, -0.1), (9, -2.0)]]
+    assert Piece.of({"content": "", "tokens": [], "stop": True, "stop_type": "eos"}).stop_type == "eos"
+    text = "\n".join(["# HELP llamacpp:spec_decode_num_drafts_total x", "llamacpp:spec_decode_num_drafts_total 5",
+                      "llamacpp:spec_decode_num_draft_tokens_total 20", "llamacpp:spec_decode_num_accepted_tokens_total 9",
+                      'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 4',
+                      'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 3',
+                      "llamacpp:prompt_tokens_total 99"])
+    c = spec_counters(text)
+    assert (c.drafts, c.draft_tokens, c.accepted, c.accepted_per_position) == (5, 20, 9, (4, 3))
+    assert c.since(spec_counters("llamacpp:spec_decode_num_drafts_total 2")).drafts == 3
