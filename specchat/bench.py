@@ -78,6 +78,8 @@ def _target_run(p: Profile) -> dict:
     settings = p.model_dump(exclude={"name", "description", "extends", "speculative", "source"})
     path = p.resolve_path(p.model)  # a file path is relative to its profile; a model name or hub id is not
     settings["model"] = str(path.resolve()) if p.model not in NAMED_MODELS and path.exists() else p.model
+    if p.backend == "llamaserver":  # its speculative settings are not the target's
+        settings["llama_server"] = p.server_config.model_dump(exclude={"ngram_type", "spec_args", "port"})
     return settings
 
 
@@ -262,6 +264,8 @@ def render(results: list[ProfileResult]):
         method = r.profile.method if r.profile.method == "none" else f"{r.profile.method}:{spec.depth}"
         if spec.lookup:
             method += f" +lookup:{spec.lookup}"
+        if r.profile.backend == "llamaserver":
+            method = r.profile.method_label.removeprefix("llama.cpp ")
         speculated = r.profile.method != "none"
         if r.profile.remote:  # the server's own speculation, and only what it reported
             method = r.profile.method_label

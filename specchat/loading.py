@@ -180,11 +180,22 @@ def load_llamaserver(profile: Profile, progress=None):
 
 def drafter_gguf(profile: Profile) -> Path:
     """The profile's draft model as a GGUF file, as llama-server takes it."""
+    from specchat.backends.derived_files import derived_path
+    from specchat.backends.llamaserver.to_gguf import draft_model_to_gguf
+
     path, kind = local_model(profile.speculative.drafter, profile.base_dir)
     if kind == "gguf":
         return path
-    raise BackendError(f"speculative.drafter {profile.speculative.drafter!r} is a {kind}; llama-server takes a "
-                       "GGUF draft model")
+    if kind != "hf_dir":
+        raise BackendError(f"speculative.drafter {profile.speculative.drafter!r} is a {kind}; llama-server takes a "
+                           "GGUF draft model or a specchat draft model directory (converted once)")
+    import importlib.metadata
+
+    target, _ = target_path(profile)
+    weights = next(iter(sorted(path.glob("*.safetensors"))), path / "config.json")
+    dest = derived_path(paths.cache_dir(), "drafter-gguf", weights, importlib.metadata.version("gguf"), str(target),
+                        suffix=".gguf")
+    return dest if dest.exists() else draft_model_to_gguf(path, target, dest)
 
 
 def _say(line: str) -> None:

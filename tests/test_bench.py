@@ -29,6 +29,16 @@ def test_speculative_profiles_get_their_target_only_reference():
     assert rows[2][1].compile
 
 
+def test_llama_server_profiles_share_one_target_only_server_row():
+    ps = load_profiles()
+    names = ["smollm2-llamaserver", "smollm2-llamaserver-ngram", "smollm2-llamaserver-ngram-mod",
+             "smollm2-llamaserver-draft", "smollm2-llamacpp"]
+    rows = bench.plan([ps.get(n) for n in names])
+    assert [ref for _, _, ref in rows] == [None] + ["smollm2-llamaserver"] * 3 + [None]
+    batch = ps.get("smollm2-llamaserver-ngram-mod").with_overrides({"llama_server.args": ["-b", "64"]})
+    assert bench.plan([ps.get("smollm2-llamaserver"), batch])[1][2] == "smollm2-llamaserver-ngram-mod:target-only"
+
+
 def test_a_user_profile_extending_a_shipped_one_shares_its_reference(isolated_dirs):
     folder = isolated_dirs / "user-profiles"
     folder.mkdir()
