@@ -21,8 +21,8 @@ from ..base import (STOP_CANCELLED, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendE
                     Sampling, Step, StreamStats)
 from .chunks import parse_chunk
 from .http import ServerConnection
-from .metrics import (SpecFigures, VllmCounters, llama_server_figures, sglang_figures,
-                      vllm_counters, vllm_figures)
+from .metrics import (SpecFigures, VllmCounters, llama_server_figures, sglang_figures, vllm_counters,
+                      vllm_figures, vllm_request_figures)
 
 METRICS = ("auto", "vllm", "sglang", "llama-server", "none")
 # vLLM updates its counters just after it sends a step's tokens: give the last step time to count.
@@ -157,7 +157,7 @@ class OpenAIBackend(Backend):
         before = self._vllm_counters()
         stats = StreamStats()
         reason, every_id, finished = STOP_MAX_TOKENS, True, False
-        usage = timings = meta_info = None
+        usage = timings = meta_info = spec_decoding = None
         counted = 0  # tokens that came with a count from logprobs or ids
         if cancel is not None and cancel.is_set():
             reason = STOP_CANCELLED
@@ -170,6 +170,7 @@ class OpenAIBackend(Backend):
                     usage = chunk.usage or usage
                     timings = chunk.timings or timings
                     meta_info = chunk.meta_info or meta_info
+                    spec_decoding = chunk.spec_decoding or spec_decoding
                     if chunk.finish_reason:
                         finished = True
                         reason = FINISH.get(chunk.finish_reason, STOP_MAX_TOKENS)
@@ -197,7 +198,7 @@ class OpenAIBackend(Backend):
             summary.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             if not counted and usage.get("completion_tokens") is not None:
                 summary.tokens = int(usage["completion_tokens"])  # better than one per chunk
-        figures = self._figures(before, timings, meta_info)
+        figures = self._figures(before, timings, meta_info, spec_decoding)
         if figures is not None:
             figures.apply(summary)
         else:
@@ -226,7 +227,12 @@ class OpenAIBackend(Backend):
             self._prometheus = False  # no vLLM speculative counters here: stop asking
         return counters
 
-    def _figures(self, before: Optional[VllmCounters], timings, meta_info) -> Optional[SpecFigures]:
+    def _figures(self, before: Optional[VllmCounters], timings, meta_info, spec_decoding) -> Optional[SpecFigures]:
+        if self.metrics in ("auto", "vllm") and spec_decoding:
+            figures = vllm_request_figures(spec_decoding)
+            if figures is not None:
+                self._prometheus = False  # the reply says it all: no need to read /metrics around the next ones
+                return figures
         if self.metrics in ("auto", "llama-server") and timings:
             figures = llama_server_figures(timings)
             if figures is not None:

@@ -18,6 +18,7 @@ class Chunk:
     usage: Optional[dict] = None
     timings: Optional[dict] = None  # llama-server
     meta_info: Optional[dict] = None  # SGLang
+    spec_decoding: Optional[dict] = None  # vLLM's per-request `metrics.speculative_decoding`
     error: Optional[str] = None
 
 
@@ -66,6 +67,9 @@ def parse_chunk(data: dict) -> Chunk:
     chunk = Chunk(usage=data.get("usage") if isinstance(data.get("usage"), dict) else None,
                   timings=data.get("timings") if isinstance(data.get("timings"), dict) else None,
                   meta_info=data.get("meta_info") if isinstance(data.get("meta_info"), dict) else None)
+    metrics = data.get("metrics")
+    if isinstance(metrics, dict) and isinstance(metrics.get("speculative_decoding"), dict):
+        chunk.spec_decoding = metrics["speculative_decoding"]  # on the final usage chunk when streaming
     if "error" in data or data.get("object") == "error":
         chunk.error = error_message(data) or "unknown error"
         return chunk

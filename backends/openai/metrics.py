@@ -1,9 +1,11 @@
 """Speculative-decoding figures as servers report them, turned into `Summary` fields.
 
-- vLLM: Prometheus counters on `/metrics` (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`,
-  `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos{position="i"}`). They are server-wide,
-  so one request's figures are the counters after it minus the counters before it (requests from
-  anyone else in between are counted too).
+- vLLM: per request, `metrics.speculative_decoding` on the reply (a server started with
+  `--per-request-spec-decode-metrics`); otherwise the Prometheus counters on `/metrics`
+  (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`,
+  `..._num_accepted_tokens_per_pos{position="i"}`). Those are server-wide, so one request's figures
+  are the counters after it minus the counters before it (requests from anyone else in between are
+  counted too).
 - SGLang: per-request `meta_info` with `spec_verify_ct` (verify passes) and `completion_tokens`;
   newer builds add `spec_accept_token_num` and `spec_draft_token_num`.
 - llama-server: `timings.draft_n` and `timings.draft_n_accepted` on the final response.
@@ -123,6 +125,29 @@ def vllm_figures(before: VllmCounters, after: VllmCounters) -> SpecFigures:
         # (vLLM's per-position rate is accepted_per_pos[i] / num_drafts).
         drafts_per_position=[drafts] * len(accepted_per_position),
     )
+
+
+def vllm_request_figures(stats: dict) -> Optional[SpecFigures]:
+    """From the per-request `metrics.speculative_decoding` of a vLLM started with
+    `--per-request-spec-decode-metrics` (this reply's own figures, nobody else's).
+    `acceptance_histogram[j]` counts the verify passes that accepted exactly j drafts (a dense list,
+    or a mapping from j); every pass drafted `num_spec_tokens`."""
+    steps, drafted, accepted = (_int(stats.get(k)) for k in ("num_spec_steps", "num_draft_tokens",
+                                                              "num_accepted_draft_tokens"))
+    if steps is None or accepted is None:
+        return None
+    hist = stats.get("acceptance_histogram")
+    if isinstance(hist, dict):
+        hist = {int(k): _int(v) or 0 for k, v in hist.items() if str(k).isdigit()}
+    elif isinstance(hist, list):
+        hist = {j: _int(v) or 0 for j, v in enumerate(hist)}
+    else:
+        hist = {}
+    width = _int(stats.get("num_spec_tokens")) or (max(hist) if hist else 0)
+    per_position = [sum(n for j, n in hist.items() if j > i) for i in range(width)] if hist else []
+    return SpecFigures(source="vLLM per-request metrics", drafts=steps, draft_tokens=drafted or 0,
+                       accepted_tokens=accepted, accepted_per_position=per_position,
+                       drafts_per_position=[steps] * len(per_position))
 
 
 # --------------------------------------------------------------------------- SGLang

@@ -74,7 +74,8 @@ class LlamaCppServer:
 
 
 class ReplayServer:
-    """`/<kind>/v1/...` for kind in vllm, sglang, llama-server: the recorded reply of that server.
+    """`/<kind>/v1/...` for kind in vllm, vllm-per-request (started with --per-request-spec-decode-metrics),
+    sglang, llama-server: the recorded reply of that server.
     vLLM's /metrics answers the counters before a request, then after it, in turn. Kind `silent`
     starts a reply and then sends nothing."""
 
@@ -98,7 +99,7 @@ class ReplayServer:
                 kind, _, rest = self.path.lstrip("/").partition("/")
                 if rest == "v1/models":
                     self._send(200, json.dumps({"object": "list", "data": [{"id": "Qwen/Qwen3-8B"}]}).encode())
-                elif rest == "metrics" and kind == "vllm":
+                elif rest == "metrics" and kind.startswith("vllm"):
                     name = "vllm-metrics-before.txt" if replay.metrics_calls % 2 == 0 else "vllm-metrics-after.txt"
                     replay.metrics_calls += 1
                     self._send(200, (RECORDED / name).read_bytes(), "text/plain; version=0.0.4")

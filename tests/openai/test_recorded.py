@@ -199,3 +199,26 @@ def test_listing_profiles_never_connects(monkeypatch, capsys):
     remote = {n: p for n, p in listed["profiles"].items() if p["backend"] == "openai"}
     assert {"smollm2-server", "vllm-qwen3-8b-dflash", "sglang-qwen3-8b-dflash", "vllm-mimo-7b-mtp"} <= set(remote)
     assert all("Server:" in p["description"] for p in remote.values())  # each says how to start its server
+
+
+def test_vllm_per_request_metrics_beat_the_server_wide_counters(replay):
+    backend = OpenAIBackend(replay.base_url("vllm-per-request"), "Qwen/Qwen3-8B")
+    first = run_to_summary(backend.stream(Request(messages=CHAT), Sampling(max_tokens=12)))
+    assert first.spec_source == "vLLM per-request metrics"
+    assert (first.drafts, first.draft_tokens, first.accepted_tokens) == (4, 12, 6)
+    # the histogram [1, 1, 1, 1]: one pass each accepted 0, 1, 2 and 3 drafts
+    assert first.accepted_per_position == [3, 2, 1] and first.drafts_per_position == [4, 4, 4]
+    assert first.mean_accepted == 2.5 and first.passes == 12 - 6
+    calls = replay.metrics_calls
+    again = run_to_summary(backend.stream(Request(messages=CHAT), Sampling(max_tokens=12)))
+    backend.close()
+    assert replay.metrics_calls == calls and again.spec_source == "vLLM per-request metrics"  # /metrics no longer read
+
+
+def test_vllm_per_request_histogram_as_a_mapping():
+    from specchat.backends.openai.metrics import vllm_request_figures
+
+    f = vllm_request_figures({"num_spec_steps": 43, "num_draft_tokens": 129, "num_accepted_draft_tokens": 10,
+                              "num_spec_tokens": 3, "acceptance_histogram": {"0": 39, "1": 1, "3": 3}})
+    assert f.accepted_per_position == [4, 3, 3] and sum(f.accepted_per_position) == 10
+    assert vllm_request_figures({"mean_acceptance_length": 1.0}) is None
