@@ -122,12 +122,30 @@ def local_state(profile: Profile) -> tuple[str, str]:
     except (BackendError, OSError, ValueError) as e:  # ValueError: a hub id the hub's own check refuses
         return "broken", str(e)
     needs = " and ".join(pulls + ([" and ".join(hub) + " from the Hugging Face hub"] if hub else []))
+    build = llama_server_build(profile)
+    if build and build.startswith("building"):
+        return "broken", build
     gpu = gpu_need(profile)
     if gpu:
         return "gpu", gpu + (f" (and it needs {needs})" if needs else "")
-    if needs:
-        return "download", f"needs {needs} (loading downloads {'it' if len(pulls) + len(hub) == 1 else 'them'})"
+    if needs or build:
+        fetch = f"needs {needs} (loading downloads {'it' if len(pulls) + len(hub) == 1 else 'them'})" if needs else ""
+        return "download", "; ".join(filter(None, [fetch, build]))
     return "here", ""
+
+
+def llama_server_build(profile: Profile) -> Optional[str]:
+    """What a llamaserver profile still needs built before it runs (None: nothing)."""
+    if profile.backend != "llamaserver" or profile.server_config.binary:
+        return None
+    from specchat import paths
+    from specchat.backends.llamaserver.build import built_server, missing_tools
+
+    if built_server(paths.cache_dir()) is not None:
+        return None
+    if missing_tools():
+        return f"building llama-server needs {' and '.join(missing_tools())}"
+    return "loading builds llama-server from llama.cpp's source first (minutes, once)"
 
 
 # ------------------------------------------------------------------------------ servers

@@ -251,6 +251,8 @@ def cmd_verify(args) -> int:
                 console.print(f"{mark} {check.label} " + escape(
                     f"[{item.task}] {check.verdict.line()}" + (f" · {note}" if note else "")))
     finally:
+        # servers specchat started hold their weights in processes of their own: count them too
+        servers_rss = [b.server_peak_rss_bytes() for b in (spec, reference) if hasattr(b, "server_peak_rss_bytes")]
         spec.close()
         reference.close()
     totals = summarize(checks)
@@ -258,7 +260,8 @@ def cmd_verify(args) -> int:
     if args.json:
         print(json.dumps({"profile": spec_profile.name, "reference": args.reference or f"{spec_profile.name} (target-only)",
                           "strict": strict, "reference_shares_weights": getattr(reference, "shares_weights", False),
-                          "peak_rss_bytes": peak_rss_bytes(), **totals, "prompts_checked": [c.as_dict() for c in checks]}))
+                          "peak_rss_bytes": peak_rss_bytes(),
+                          "server_peak_rss_bytes": sum(r or 0 for r in servers_rss) if servers_rss else None, **totals, "prompts_checked": [c.as_dict() for c in checks]}))
     else:
         how = {True: " (strict verification)", None: "",
                False: " (verification not strict: floating-point near-ties may flip a token, and each near-tie is "

@@ -7,6 +7,7 @@ hands each engine only what it needs.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Optional
 
 from specchat import paths
 from specchat.backends.base import Backend, BackendError, Sampling
@@ -19,9 +20,10 @@ def sampling_of(profile: Profile) -> Sampling:
     return Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, max_tokens=s.max_tokens)
 
 
-def load_backend(profile: Profile) -> Backend:
+def load_backend(profile: Profile, progress: Optional[Callable[[str], None]] = None) -> Backend:
     """Load the model a profile names. Raises BackendError (one line) for anything the user can fix,
-    and before loading anything when the weights alone would not fit the device's free memory."""
+    and before loading anything when the weights alone would not fit the device's free memory.
+    `progress`: where news of a long first-time step goes (building llama-server; default stderr)."""
     from specchat.weight_memory import check_fits
 
     check_fits(profile)
@@ -30,7 +32,7 @@ def load_backend(profile: Profile) -> Backend:
     if profile.backend == "llamacpp":
         return load_llamacpp(profile)
     if profile.backend == "llamaserver":
-        return load_llamaserver(profile)
+        return load_llamaserver(profile, progress)
     if profile.method != "none":
         return load_speculative(profile)
     return load_target(profile)
@@ -162,10 +164,8 @@ def load_llamaserver(profile: Profile, progress=None):
         drafter = None
         if spec.method == "draft":
             drafter = drafter_gguf(profile)
-        given = spec.model_fields_set
-        args = speculation_args(spec.method, ngram_type=config.ngram_type, drafter=drafter,
-                                depth=spec.depth if "depth" in given else None,
-                                lookup=spec.ngram_max if "ngram_max" in given else None)
+        args = speculation_args(spec.method, ngram_type=config.ngram_type, drafter=drafter, depth=spec.depth,
+                                lookup=spec.ngram_max)
     except BackendError as e:
         raise BackendError(f"{where}: {e}") from None
     if spec.method != "none":

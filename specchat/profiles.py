@@ -88,8 +88,7 @@ class Profile(Strict):
             return f"server: {self.server.speculation}" if self.server.speculation else "server-side"
         if self.backend == "llamaserver" and self.method != "none":
             kind = self.server_config.ngram_type if self.method == "ngram" else "draft-simple"
-            return f"llama.cpp {kind}" + (f" d={self.speculative.depth}" if "depth" in self.speculative.model_fields_set
-                                          else "")
+            return f"llama.cpp {kind} d={self.speculative.depth}"
         return "target-only" if self.method == "none" else f"{self.method} d={self.speculative.depth}"
 
     @property

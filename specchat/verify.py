@@ -44,10 +44,12 @@ def margin_function(reference: Backend, prompt: Sequence[int], ref_ids: Sequence
     return lambda i, a, b: (lambda s: s[0] - s[1])(scores_at(i, a, b))
 
 
-def reported_margin_function(ref: Summary, sampling: Sampling) -> Optional[Callable[[int, int, int], float]]:
+def reported_margin_function(ref: Summary, sampling: Sampling,
+                             tie_margin: float) -> Optional[Callable[[int, int, int], float]]:
     """The reference's logprob gap between two tokens from the alternatives its server reported
-    (greedy only: there the gap of logprobs is the gap of logits). None where none were reported
-    or the other token is not among them (then it was no close second: a mismatch)."""
+    (greedy only: there the gap of logprobs is the gap of logits). For a token not among them the
+    gap is at least the one to the last reported: given where that is already past `tie_margin`,
+    else None (unknown: no near-tie is assumed). None too where nothing was reported."""
     if not sampling.greedy or not any(ref.alternatives):
         return None
 
@@ -55,7 +57,10 @@ def reported_margin_function(ref: Summary, sampling: Sampling) -> Optional[Calla
         top = dict(ref.alternatives[i]) if i < len(ref.alternatives) and ref.alternatives[i] else {}
         if a not in top:
             return None
-        return top[a] - top[b] if b in top else None
+        if b in top:
+            return top[a] - top[b]
+        at_least = top[a] - min(top.values())
+        return at_least if at_least > tie_margin else None
 
     return margin_at
 
@@ -169,9 +174,10 @@ def judge_replies(reference: Backend, request: Request, ref: Summary, other: Sum
         arithmetic = shared_arithmetic(reference, other_backend, ref, other)
         if prompt:
             row_choice = row_choice_function(other_backend, prompt, other, sampling)
+    tie_margin = tie_margin if tie_margin is not None else tie_margin_of(reference)
     return judge_tokens(ref.token_ids, other.token_ids, reference.detokenize,
-                        margin_at=None if scores_at else reported_margin_function(ref, sampling),
-                        tie_margin=tie_margin if tie_margin is not None else tie_margin_of(reference),
+                        margin_at=None if scores_at else reported_margin_function(ref, sampling, tie_margin),
+                        tie_margin=tie_margin,
                         stops=(ref.stop_reason, other.stop_reason), scores_at=scores_at,
                         strict_until=arithmetic.exact_until, not_strict=arithmetic.beyond, row_choice=row_choice)
 

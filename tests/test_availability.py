@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from rich.cells import cell_len
 
-from specchat import availability, cli
+from specchat import availability, cli, paths
 from specchat.availability import GROUPS, classify
 from specchat.models import cached_path
 from specchat.profiles import load_profiles
@@ -211,3 +211,20 @@ def test_profiles_json_has_each_group_and_reason(machine, models_server, capsys)
     assert "bogus" in listed["errors"]["bad"] and list(listed["groups"]) == list(GROUPS)
     unprobed = json.loads(listing(capsys, "--json", "--no-probe"))["profiles"]["up"]
     assert unprobed["group"] == "needs-server" and unprobed["reason"] == "server not asked (--no-probe)"
+
+
+def test_a_llama_server_profile_says_it_builds_the_server_first(machine, monkeypatch):
+    from specchat.backends.llamaserver import build
+
+    cached_path("smollm2-135m-instruct").write_bytes(b"GGUF")
+    got = by_name(classify(load_profiles(), probe_servers=False))["smollm2-llamaserver-ngram"]
+    assert got.group == "download" and got.choosable and "builds llama-server" in got.reason
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    got = by_name(classify(load_profiles(), probe_servers=False))["smollm2-llamaserver"]
+    assert got.group == "broken" and "needs CMake and a C++ compiler" in got.reason
+    root = build.build_dir(paths.cache_dir())
+    root.mkdir(parents=True)
+    (root / build.BINARY).write_text("")
+    (root / build.BINARY).chmod(0o755)
+    (root / "build.json").write_text("{}")
+    assert by_name(classify(load_profiles(), probe_servers=False))["smollm2-llamaserver"].group == "here"

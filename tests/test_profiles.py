@@ -152,7 +152,7 @@ def test_llamaserver_profiles_speculate_with_what_llama_cpp_runs(user_dir):
                            "llama_server: {ngram_type: ngram-mod, spec_args: [--spec-ngram-mod-n-min, '2']}\n")
     ps = load_profiles()
     mod = ps.profiles["mod"]
-    assert mod.method_label == "llama.cpp ngram-mod"
+    assert mod.method_label == "llama.cpp ngram-mod d=4"  # specchat's depth, passed on as llama.cpp's draft length
     assert ps.profiles["smollm2-llamaserver-ngram"].method_label == "llama.cpp ngram-simple d=3"
     reference = mod.target_only()
     assert reference.method == "none" and reference.llama_server.spec_args == []

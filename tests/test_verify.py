@@ -141,6 +141,10 @@ def test_a_servers_reported_alternatives_tell_a_near_tie_from_a_mismatch():
     tie = judge_replies(server, request, ref, close, greedy)
     assert tie.kind == "near-tie" and tie.index == 1 and tie.margin == pytest.approx(0.12)
     assert judge_replies(server, request, ref, far, greedy).kind == "mismatch"  # a gap of 1.9
-    assert judge_replies(server, request, ref, unlisted, greedy).kind == "mismatch"  # not even second
+    assert judge_replies(server, request, ref, unlisted, greedy).kind == "mismatch"  # not listed, and the
+    # listed ones already end within the margin: how far it was is unknown, so no near-tie is assumed
+    wide = Summary(STOP_MAX_TOKENS, tokens=4, token_ids=[t[5], t[2], t[3], t[4]])  # past the 3.0 gap to the last
+    v = judge_replies(server, request, ref, wide, greedy)
+    assert v.kind == "mismatch" and v.margin == pytest.approx(2.9)
     sampled = Sampling(max_tokens=4, temperature=0.7)  # logprobs are no score gap when sampling
     assert judge_replies(server, request, ref, close, sampled).kind == "mismatch"

@@ -29,7 +29,9 @@ from .process import ServerProcess
 
 LLAMACPP_SPEC = "llamacpp:spec_decode_"
 STOP_TYPES = {"eos": STOP_EOS, "limit": STOP_MAX_TOKENS, "word": STOP_EOS}
-TOP_ALTERNATIVES = 2  # the top two say how close the server's choice was (near-tie or not)
+# Alternatives reported per sampled token: how close the server's choice was to the token another
+# run chose instead (a near-tie, or not), as far down as a flip of rounding can reach.
+TOP_ALTERNATIVES = 8
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,9 @@ class LlamaServerBackend(OpenAIBackend):
     def close(self) -> None:
         super().close()
         self.process.stop()
+
+    def server_peak_rss_bytes(self) -> Optional[int]:
+        return self.process.peak_rss_bytes()
 
     def completion_body(self, prompt: Sequence[int], sampling: Sampling) -> dict:
         # Every sampler llama.cpp applies by default set neutral, so only the profile's settings act.

@@ -37,6 +37,7 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON")
 _PERCENT = re.compile(r"^\[\s*(\d+)%\]")
+PROGRESS_STEP = 5  # percent between two progress lines
 
 Progress = Callable[[str], None]  # one line of news at a time ("building llama-server: 42%")
 
@@ -159,13 +160,13 @@ def configure_and_build(source: Path, build: Path, say: Progress, jobs: int) -> 
 
 def run_logged(cmd: list[str], out, label: str, say: Progress, log: Path) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    shown = -1
+    shown = -PROGRESS_STEP
     tail: list[str] = []
     for line in proc.stdout:
         out.write(line)
         tail = (tail + [line.rstrip()])[-20:]
         m = _PERCENT.match(line)
-        if m and int(m.group(1)) != shown:
+        if m and int(m.group(1)) >= shown + PROGRESS_STEP:
             shown = int(m.group(1))
             say(f"{label}: {shown}%")
     if proc.wait() != 0:

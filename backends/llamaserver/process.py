@@ -132,6 +132,19 @@ class ServerProcess:
             pass
         return self.keeper.poll() is None
 
+    def peak_rss_bytes(self) -> Optional[int]:
+        """The server's own peak resident memory (Linux; None elsewhere or once it is gone)."""
+        if self.keeper is None:
+            return None
+        try:
+            pids = Path(f"/proc/{self.keeper.pid}/task/{self.keeper.pid}/children").read_text().split()
+            for line in Path(f"/proc/{pids[0]}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, IndexError, ValueError):
+            pass
+        return None
+
     def stop(self) -> None:
         """Stop the server and wait until it is gone (closing the keeper's stdin is the signal)."""
         keeper, self.keeper = self.keeper, None

@@ -26,6 +26,25 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_llama_hparams(w, cfg: dict) -> None:
+    """A Hugging Face Llama config's hyperparameters as llama.cpp's `llama.*` keys."""
+    n_head = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0)}
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_vocab_size(cfg["vocab_size"])
+
+
 def draft_model_to_gguf(hf_dir: Path, target_gguf: Path, dest: Path) -> Path:
     import gguf
     from safetensors.torch import load_file
@@ -47,25 +66,12 @@ def draft_model_to_gguf(hf_dir: Path, target_gguf: Path, dest: Path) -> Path:
                            "not a drafter for this target")
     sd = {k: v.float().numpy() for k, v in load_file(str(weights[0])).items()}  # bfloat16 needs torch's loader
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
-    rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0)}
 
     part = dest.with_name(dest.name + ".part")
     dest.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(part), "llama")
     w.add_name(f"specchat draft model ({hf_dir.name})")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(rope["rope_theta"]))
-    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    w.add_vocab_size(cfg["vocab_size"])
+    add_llama_hparams(w, cfg)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     for key, field in target.fields.items():
         if key.startswith("tokenizer."):

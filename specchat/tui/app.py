@@ -76,7 +76,7 @@ class SpecChatApp(App):
                  start_ab: bool = False):
         super().__init__()
         self.initial_profile = profile_name
-        self.loader: BackendLoader = loader or (lambda p: loading.load_backend(p))
+        self.loader: BackendLoader = loader or (lambda p: loading.load_backend(p, progress=self._news))
         self.profile: Optional[Profile] = None
         self.backend: Optional[Backend] = None
         self.loading: Optional[str] = None
@@ -119,6 +119,10 @@ class SpecChatApp(App):
     @property
     def chat(self) -> ChatScreen:
         return next(s for s in self.screen_stack if isinstance(s, ChatScreen))
+
+    def _news(self, line: str) -> None:
+        """A long first-time step of a load (building llama-server), from the loading thread."""
+        self.call_from_thread(self.notify, line, timeout=8)
 
     def _refresh_status(self) -> None:
         for s in self.screen_stack:

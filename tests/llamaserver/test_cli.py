@@ -2,16 +2,35 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
+TAG = f"specchat-test-{uuid.uuid4().hex}"  # in the environment of every process these tests start
+
+
 def specchat(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "specchat.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "specchat.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "SPECCHAT_TEST_TAG": TAG})
+
+
+def tagged_processes() -> list[int]:
+    """Processes still running that these tests started (their environment carries TAG)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if TAG.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return found
 
 
 def test_run_and_verify_a_llama_server_profile(server_binary, tmp_path):
@@ -26,6 +45,7 @@ def test_run_and_verify_a_llama_server_profile(server_binary, tmp_path):
                       "--json")
     assert verify.returncode in (0, 1), verify.stderr
     report = json.loads(verify.stdout)
+    assert report["server_peak_rss_bytes"] > 50e6  # two servers, each with the 100 MB model
     assert report["prompts"] == 2 and report["identical"] + report["near_ties"] + report["mismatches"] == 2
     assert all(p["by"] == "tokens" for p in report["prompts_checked"])  # every token named by id, drafts included
-    assert subprocess.run(["pgrep", "-f", str(server_binary)], capture_output=True).returncode == 1  # none left
+    assert tagged_processes() == []  # no llama-server (nor its keeper) outlives specchat

@@ -6,11 +6,11 @@ import torch
 
 from specchat.backends.base import BackendError
 from specchat.backends.hf_reference import load_hf_model
+from specchat.backends.llamaserver.to_gguf import permute_rows
 from specchat.backends.native.engine import TorchBackend
 from specchat.backends.native.gguf_loader import _unpermute_rows, load_gguf
 from specchat.backends.native.int4 import Int4Rows
 from specchat.backends.native.weights import load_hf_dir
-from tests.native.tiny import _llamacpp_permute
 
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
 
@@ -18,7 +18,7 @@ MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
 def test_unpermute_inverts_llamacpp_permutation():
     w = torch.arange(48 * 3).reshape(48, 3).numpy()
     for n_head in (1, 2, 3, 4):
-        permuted = torch.from_numpy(_llamacpp_permute(w, n_head))
+        permuted = torch.from_numpy(permute_rows(w, n_head))
         assert torch.equal(permuted[_unpermute_rows(48, n_head)], torch.from_numpy(w))
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specchat.backends.llamaserver.to_gguf import add_llama_hparams, permute_rows
+
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
           "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -125,11 +127,6 @@ def make_hf_checkpoint(out: Path, layout: str, seed: int = 0) -> Path:
     return out
 
 
-def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf.py does to Q/K rows for llama-arch models."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def make_gguf(path: Path, hf_dir: Path, qtype: str = "F32") -> Path:
     """The llama (tied) checkpoint in hf_dir as a llama-arch GGUF; matrices stored as qtype."""
     import gguf
@@ -142,16 +139,7 @@ def make_gguf(path: Path, hf_dir: Path, qtype: str = "F32") -> Path:
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // n_head)
+    add_llama_hparams(w, cfg)
     # tokenizer metadata, as llama.cpp writes it for a GPT-2 style BPE
     vocab = tok.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
@@ -192,9 +180,9 @@ def make_gguf(path: Path, hf_dir: Path, qtype: str = "F32") -> Path:
         for hf_name, gg_name in names.items():
             a = sd[p + hf_name + ".weight"]
             if gg_name == "attn_q":
-                a = _llamacpp_permute(a, n_head)
+                a = permute_rows(a, n_head)
             elif gg_name == "attn_k":
-                a = _llamacpp_permute(a, n_kv)
+                a = permute_rows(a, n_kv)
             put(f"blk.{i}.{gg_name}.weight", a, True)
     w.write_header_to_file()
     w.write_kv_data_to_file()
