@@ -16,7 +16,7 @@ across it: nobody else uses this server).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -46,9 +46,6 @@ class LlamaServerSettings:
     startup_timeout_s: float = 120.0
     timeout_s: float = 60.0
     repack: bool = True
-
-    def target_only(self) -> "LlamaServerSettings":
-        return replace(self, spec=(), port=None)
 
 
 @dataclass(frozen=True)
