@@ -94,7 +94,9 @@ def test_compiled_or_static_engines_are_not_shared(tiny_dirs):
                          ids=["greedy", "t0.7"])
 def test_on_the_default_model_the_reference_is_a_target_only_engines(real_gguf, sampling):
     base = engine(real_gguf, "int4")
-    spec = SpeculativeBackend(base, NgramDrafter(1, 3), 3)
+    # strict: a non-strict verify block may break a near-tie the other way (verify calls that a
+    # near-tie, not a mismatch), and this test asks for the same tokens bit for bit
+    spec = SpeculativeBackend(base, NgramDrafter(1, 3), 3, strict=True)
     request = Request(messages=[{"role": "user", "content": "Name three rivers of Europe and one fact about each."}])
     out = run_to_summary(spec.stream(request, sampling))
     ref = run_to_summary(SharedWeights(base).stream(request, sampling))
