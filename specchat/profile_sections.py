@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-METHODS = ("none", "draft", "ngram", "mtp", "dflash", "replayssm")
+METHODS = ("none", "draft", "ngram", "mtp", "dflash", "replayssm", "eagle3")
 
 
 class Strict(BaseModel):
@@ -22,13 +22,13 @@ class SamplingConfig(Strict):
 
 
 class SpeculativeConfig(Strict):
-    method: Literal["none", "draft", "ngram", "mtp", "dflash", "replayssm"] = "none"
+    method: Literal["none", "draft", "ngram", "mtp", "dflash", "replayssm", "eagle3"] = "none"
     depth: int = Field(4, ge=1, le=64)
     drafter: Optional[str] = None
     acceptance: Literal["exact", "rejection"] = "exact"
     ngram_max: int = Field(3, ge=1, le=16)
     ngram_min: int = Field(1, ge=1, le=16)
-    # draft, mtp, dflash: try prompt lookup first (n-gram sizes ngram_max..ngram_min) and propose up
+    # draft, mtp, dflash, eagle3: try prompt lookup first (n-gram sizes ngram_max..ngram_min) and propose up
     # to this many tokens that followed the match; the model drafter guesses when nothing matches. 0: off
     lookup: int = Field(0, ge=0, le=64)
     # prompt lookup (method ngram, or `lookup`): once the reply copies (the last 8 tokens appeared
@@ -60,8 +60,12 @@ class SpeculativeConfig(Strict):
                              "(e.g. made by `specchat train replayssm`)")
         if self.method == "dflash" and not self.drafter:
             raise ValueError("method 'dflash' needs `drafter`: a DFlash drafter directory")
-        if self.lookup and self.method not in ("draft", "mtp", "dflash", "replayssm"):
-            raise ValueError(f"`lookup` puts prompt lookup in front of a model drafter (draft, mtp, dflash, replayssm); "
+        if self.method == "eagle3" and not self.drafter:
+            raise ValueError("method 'eagle3' needs `drafter`: an EAGLE-3 head directory (a public head, "
+                             "or one made by `specchat train eagle3`)")
+        if self.lookup and self.method not in ("draft", "mtp", "dflash", "replayssm", "eagle3"):
+            raise ValueError(f"`lookup` puts prompt lookup in front of a model drafter (draft, mtp, dflash, replayssm, "
+                             f"eagle3); "
                              f"method '{self.method}' has none (for prompt lookup alone use method: ngram)")
         if self.copy_depth and self.method != "ngram" and not self.lookup:
             raise ValueError("`copy_depth` lengthens prompt-lookup drafts: it needs method 'ngram', or `lookup` "

@@ -86,6 +86,22 @@ def cached_attention(cache: KVCache, layer: int, write: slice | Tensor, span: in
     return attend
 
 
+def entries_attention(cache: KVCache, start: int, K: int) -> tuple[Attend, slice]:
+    """A drafting head's attention (one layer, cache layer 0): K entries written at start..start+K-1,
+    each seeing the entries before it and itself; whatever the cache held from start on is
+    dropped (rolling back is starting lower). Returns the attend function and the rows' slice."""
+    cache.length = min(cache.length, start)
+    end = start + K
+    if end > cache.max_len:
+        raise ValueError(f"head entries up to {end} do not fit a cache of {cache.max_len}")
+    mask = None
+    if K > 1:
+        device = cache.k[0].device
+        mask = torch.arange(end, device=device)[None, :] <= torch.arange(start, end, device=device)[:, None]
+    cache.length = end
+    return cached_attention(cache, 0, slice(start, end), end, mask), slice(start, end)
+
+
 def group_attention(cache: KVCache, layer: int, write: slice, groups: list[RowGroup], mode: str) -> Attend:
     """Attention of K rows each as its single-token pass computes it (exact_rows.attend_rows), one
     call per row group, after writing their keys and values at `write`."""

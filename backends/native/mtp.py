@@ -32,10 +32,11 @@ from torch import Tensor
 
 from ..base import BackendError
 from .config import ModelConfig, read_hf_json
+from .draft_vocab import VocabHead
 from .int4 import int4_if_fits, quantize_layer
 from .layers import RMSNorm, decoder_layer, rope_tables
 from .linear import Linear
-from .model import KVCache, Transformer, cached_attention
+from .model import KVCache, Transformer, entries_attention
 from .weights import HF_LAYER_NAMES, LAYER_KEYS, build_layer, drafting_head, safetensors_files
 
 DRAFT_VOCAB = "specchat.draft_vocab"  # optional int32 tensor: the token ids the head may propose
@@ -240,39 +241,34 @@ class MtpHead:
             })
         self.dtype = dtype
         self.rope_cos, self.rope_sin = rope_tables(target.inv_freq, max_len, dev, target.rope_dtype)
-        self.vocab = None if w.draft_vocab is None else w.draft_vocab.to(dev)
+        vocab = None if w.draft_vocab is None else w.draft_vocab.to(dev)
         head_w = target.head.weight
-        if self.vocab is not None and head_w is not None:
-            sub = head_w[self.vocab]
-            self.head = int4_if_fits(sub, dtype, dev) if int4 else Linear(sub.to(dtype).contiguous())
+        if vocab is not None and head_w is not None:
+            sub = head_w[vocab]
+            head = int4_if_fits(sub, dtype, dev) if int4 else Linear(sub.to(dtype).contiguous())
         else:
-            self.vocab = None
-            self.head = drafting_head(target)
+            vocab, head = None, drafting_head(target)
+        self.out = VocabHead(head, vocab, target.cfg.vocab_size, dtype)
 
     @property
     def n_layers(self) -> int:
         return len(self.layers)
 
-    def _vocab_logits(self, g: Tensor) -> Tensor:
-        return self.head(g.to(self.head.weight.dtype if self.head.weight is not None else self.dtype)).float()
+    @property
+    def max_len(self) -> int:
+        return self.layers[0]["cache"].max_len
 
     def vocab_logits(self, g: Tensor) -> tuple[Tensor, Tensor | None]:
         """Logits over the draft vocabulary and its token ids (None: the full vocabulary)."""
-        return self._vocab_logits(g), self.vocab
+        return self.out.vocab_logits(g)
 
     def greedy(self, g: Tensor) -> Tensor:
         """The most likely token per row, without spreading logits over the full vocabulary."""
-        best = self._vocab_logits(g).argmax(-1)
-        return best if self.vocab is None else self.vocab[best]
+        return self.out.greedy(g)
 
     def logits(self, g: Tensor) -> Tensor:
         """Logits over the full vocabulary (-inf outside the draft vocabulary, if the head has one)."""
-        out = self._vocab_logits(g)
-        if self.vocab is None:
-            return out
-        full = torch.full((g.shape[0], self.target.cfg.vocab_size), float("-inf"), device=g.device)
-        full[:, self.vocab] = out
-        return full
+        return self.out.logits(g)
 
     @torch.inference_mode()
     def forward(self, hidden: Tensor, next_tokens: Tensor, start: int, layer: int = 0) -> Tensor:
@@ -283,19 +279,8 @@ class MtpHead:
         e = L["embed_norm"](self.target.embed[next_tokens].float())
         h = L["hidden_norm"](hidden.float())
         x = L["proj"]((torch.cat([e, h], -1) if self.embed_first else torch.cat([h, e], -1)).to(self.dtype)).float()
-        cache: KVCache = L["cache"]
-        cache.length = min(cache.length, start)
-        end = start + K
-        if end > cache.max_len:
-            raise ValueError(f"MTP entries up to {end} do not fit a cache of {cache.max_len}")
-        mask = None
-        if K > 1:
-            rows = torch.arange(start, end, device=x.device)[:, None]
-            mask = torch.arange(end, device=x.device)[None, :] <= rows
-        write = slice(start, end)
-        x = L["layer"](x, cached_attention(cache, 0, write, end, mask), self.rope_cos[write], self.rope_sin[write],
-                       self.dtype)
-        cache.length = end
+        attend, write = entries_attention(L["cache"], start, K)
+        x = L["layer"](x, attend, self.rope_cos[write], self.rope_sin[write], self.dtype)
         return L["final_norm"](x)
 
     def reset(self) -> None:

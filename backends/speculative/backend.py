@@ -14,7 +14,7 @@ from .gate import DraftGate
 from .loop import Drafter, speculative_stream
 
 
-METHODS = ("ngram", "draft", "mtp", "dflash", "replayssm")
+METHODS = ("ngram", "draft", "mtp", "dflash", "replayssm", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class SpeculativeSettings:
     by the caller), the draft depth and how drafts are accepted (see the profile reference)."""
 
     method: str  # one of METHODS
-    drafter: Path | None = None  # draft model (GGUF file or directory), MTP head directory, DFlash directory
+    drafter: Path | None = None  # draft model (GGUF file or directory), MTP / EAGLE-3 head or DFlash directory
     drafter_kind: str = "auto"  # gguf | hf_dir | auto (by the path), for a draft model
     depth: int = 4
     acceptance: str = "exact"  # exact | rejection (acceptance.py)
@@ -109,6 +109,8 @@ def make_model_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
         return make_mtp_drafter(s, target)
     if s.method == "dflash":
         return make_dflash_drafter(s, target)
+    if s.method == "eagle3":
+        return make_eagle3_drafter(s, target)
     raise BackendError(f"speculative method '{s.method}' is not available in this version; "
                        f"use one of {', '.join(METHODS)}")
 
@@ -148,6 +150,16 @@ def make_mtp_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
     head = MtpHead(weights, target.model, target.context_length)
     source = s.mtp_hidden or weights.hidden_source or "post_norm"
     return MtpDrafter(head, target.eos_ids, source, want_q=s.acceptance == "rejection")
+
+
+def make_eagle3_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
+    """The EAGLE-3 head in `s.drafter` (any of the public formats: native/eagle3.py)."""
+    from ..native.eagle3 import Eagle3Head, read_eagle3
+    from .eagle3 import Eagle3Drafter
+
+    head = Eagle3Head(read_eagle3(s.drafter, target.model.cfg), target.model, target.context_length)
+    target.warm_up(hidden=True)  # its taps need the compiled graphs that return layer outputs
+    return Eagle3Drafter(head, target.eos_ids, want_q=s.acceptance == "rejection")
 
 
 def check_builtin_mtp(path: Path) -> None:

@@ -13,6 +13,7 @@ from specchat.compare import judge_tokens
 from specchat.verify import fresh, margin_function
 from tests.native.tiny import add_mtp_head, make_hf_checkpoint
 from tests.speculative.tiny_dflash import make_dflash_checkpoint
+from tests.speculative.tiny_eagle3 import make_eagle3_checkpoint
 
 PROMPTS = [[{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}],
            [{"role": "user", "content": "hello world, how are you today? Paris is the capital of France."}]]
@@ -35,6 +36,20 @@ def target(tiny_pair):
     return engine(tiny_pair[0])
 
 
+def eagle3_drafter(target, path, acceptance="exact"):
+    from specchat.backends.native.eagle3 import Eagle3Head, read_eagle3
+    from specchat.backends.speculative.eagle3 import Eagle3Drafter
+
+    head = Eagle3Head(read_eagle3(path, target.model.cfg), target.model, target.context_length)
+    return Eagle3Drafter(head, target.eos_ids, want_q=acceptance == "rejection")
+
+
+@pytest.fixture(scope="session")
+def eagle3_head(tiny_pair, tmp_path_factory):
+    """A random EAGLE-3 head (SpecForge's layout) for the tiny target."""
+    return make_eagle3_checkpoint(tmp_path_factory.mktemp("eagle3") / "e", tiny_pair[0], seed=14)
+
+
 def mtp_drafter(target, path, acceptance="exact", hidden_source="post_norm"):
     from specchat.backends.native.mtp import MtpHead, read_mtp
     from specchat.backends.speculative.mtp import MtpDrafter
@@ -44,9 +59,10 @@ def mtp_drafter(target, path, acceptance="exact", hidden_source="post_norm"):
 
 
 @pytest.fixture(scope="session")
-def drafters(tiny_pair, target, tmp_path_factory):
+def drafters(tiny_pair, target, eagle3_head, tmp_path_factory):
     """name -> factory(acceptance) of drafters: n-gram, a different model, the target itself, the
-    target's MTP head (fed the final or the pre-norm hidden state), a random DFlash drafter."""
+    target's MTP head (fed the final or the pre-norm hidden state), a random DFlash drafter, a
+    random EAGLE-3 head."""
     draft_engine, self_engine = engine(tiny_pair[1]), engine(tiny_pair[0])
     dflash = load_dflash(make_dflash_checkpoint(tmp_path_factory.mktemp("dflash") / "d", tiny_pair[0], block_size=7),
                          target.model.cfg)
@@ -54,6 +70,7 @@ def drafters(tiny_pair, target, tmp_path_factory):
         "mtp": lambda acceptance: mtp_drafter(target, tiny_pair[0], acceptance),
         "mtp-prenorm": lambda acceptance: mtp_drafter(target, tiny_pair[0], acceptance, "pre_norm"),
         "dflash": lambda acceptance: DFlashDrafter(dflash, target, want_q=acceptance == "rejection"),
+        "eagle3": lambda acceptance: eagle3_drafter(target, eagle3_head, acceptance),
         "ngram": lambda acceptance: NgramDrafter(1, 3),
         "ngram-copy": lambda acceptance: NgramDrafter(2, 3, copy_depth=12),  # longer drafts in copying runs
         "draft": lambda acceptance: DraftModelDrafter(draft_engine, want_q=acceptance == "rejection"),
@@ -63,6 +80,7 @@ def drafters(tiny_pair, target, tmp_path_factory):
         "mtp+lookup": lambda acceptance: with_lookup(mtp_drafter(target, tiny_pair[0], acceptance)),
         "dflash+lookup": lambda acceptance: with_lookup(
             DFlashDrafter(dflash, target, want_q=acceptance == "rejection")),
+        "eagle3+lookup": lambda acceptance: with_lookup(eagle3_drafter(target, eagle3_head, acceptance)),
         "draft+lookup": lambda acceptance: with_lookup(
             DraftModelDrafter(draft_engine, want_q=acceptance == "rejection")),
         "mtp+lookup-copy": lambda acceptance: with_lookup(mtp_drafter(target, tiny_pair[0], acceptance), 12),
