@@ -106,6 +106,11 @@ examples:
     "train mtp": """\
 examples:
   specchat train mtp --target smollm2 --data runs/data --out runs/my-mtp""",
+    "train eagle3": """\
+examples:
+  specchat train eagle3 --target smollm2 --data runs/data --out runs/my-eagle3
+  specchat train eagle3 --data runs/data --out runs/my-eagle3 --ttt-steps 5 \\
+      --taps 2 15 27""",
     "train dflash": """\
 examples:
   specchat train dflash --data runs/data --out runs/my-dflash --block-size 4""",
@@ -132,6 +137,8 @@ SUMMARIES = {
     "train draft": "train a small Llama draft model on `train data` output",
     "train replayssm": "train a small recurrent (Gated DeltaNet) draft model on `train data` output",
     "train mtp": "train an MTP head on the target's own hidden states (`train data` output)",
+    "train eagle3": "train an EAGLE-3 head (three target layers fused, training-time test) on `train data` "
+                    "output; SpecForge's layout, which vLLM and SGLang load",
     "train dflash": "train a DFlash block drafter (uses the target's hidden states, embedding and head) on "
                     "`train data` output",
     "train cost": "measure per-token cost of drafter shapes next to the target's",

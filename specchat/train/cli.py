@@ -1,4 +1,4 @@
-"""`specchat train data|corpus|unpack|draft|replayssm|mtp|dflash`: argparse wiring (added to the main parser by `add_train_parser`)."""
+"""`specchat train data|corpus|unpack|draft|replayssm|mtp|eagle3|dflash`: argparse wiring (added to the main parser by `add_train_parser`)."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,8 @@ from pathlib import Path
 from specchat.help_text import subcommand
 from specchat.profiles import get_profile
 from specchat.train import BATCH_DTYPES
-from specchat.train.settings import (DFlashTrainConfig, DraftTrainConfig, MtpTrainConfig, add_training_flags,
-                                     config_from_args)
+from specchat.train.settings import (DFlashTrainConfig, DraftTrainConfig, Eagle3TrainConfig, MtpTrainConfig,
+                                     add_training_flags, config_from_args)
 
 
 def _say(msg: str) -> None:
@@ -75,6 +75,14 @@ def cmd_mtp(args) -> int:
 
     cfg = config_from_args(MtpTrainConfig, args)
     train_mtp(get_profile(args.target), [Path(d) for d in args.data], Path(args.out), cfg, say=_say)
+    return 0
+
+
+def cmd_eagle3(args) -> int:
+    from specchat.train.eagle3 import train_eagle3
+
+    cfg = config_from_args(Eagle3TrainConfig, args)
+    train_eagle3(get_profile(args.target), [Path(d) for d in args.data], Path(args.out), cfg, say=_say)
     return 0
 
 
@@ -188,6 +196,18 @@ def add_train_parser(sub) -> None:
     p.add_argument("--depth2-weight", type=float, default=0.5,
                    help="weight of the second drafting step's loss (the head fed its own output); 0: off")
     p.set_defaults(func=cmd_mtp)
+
+    p = tsub.add_parser("eagle3", **subcommand("train eagle3"))
+    add_training_flags(p, Eagle3TrainConfig(), "head")
+    p.add_argument("--top-k", type=int, default=32, help="target probabilities kept per entry (default 32)")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="tokens the head may propose: the target's N most frequent choices (0: all)")
+    p.add_argument("--taps", type=int, nargs="+", metavar="J",
+                   help="target layers whose input the head fuses (default: the published 2, L/2, L-3)")
+    p.add_argument("--ttt-steps", type=int, default=3,
+                   help="drafting steps unrolled in training, each fed the last one's output (default 3)")
+    p.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight of step s: DECAY^s (default 0.8)")
+    p.set_defaults(func=cmd_eagle3)
 
     p = tsub.add_parser("dflash", **subcommand("train dflash"))
     add_training_flags(p, DFlashTrainConfig(), "drafter")

@@ -46,20 +46,22 @@ from specchat.train.progress import bar
 @dataclass
 class Entries:
     tokens: torch.Tensor  # [T] long
-    hidden: torch.Tensor  # [T-1, D] float16: h[t] for entries t = 0..T-2
+    hidden: torch.Tensor  # [T-1, D * layers] float16: h[t] for entries t = 0..T-2
     top_ids: torch.Tensor  # [T-1, k] long: the target's top-k for x[t+2]
     top_logp: torch.Tensor  # [T-1, k] float16
 
 
 # ---- features ----
 
-def compute_features(profile, examples, cfg: MtpTrainConfig, cache: Path, say=print) -> list[Entries]:
-    """The target's states and next-token distributions over every sequence (cached on disk)."""
+def compute_features(profile, examples, layers: tuple[int, ...], top_k: int, cache: Path,
+                     say=print) -> list[Entries]:
+    """The target's states at `layers` (model.forward's keys, concatenated in that order) and its
+    next-token distributions over every sequence (cached on disk)."""
     from safetensors.torch import load_file, save_file
 
     from specchat.loading import load_target
 
-    key = hashlib.sha256(json.dumps([profile.model, profile.dtype, cfg.hidden_source, cfg.top_k,
+    key = hashlib.sha256(json.dumps([profile.model, profile.dtype, list(layers), top_k,
                                      [e.id for e in examples], [int(e.tokens.sum()) for e in examples]]).encode())
     path = cache / f"features-{key.hexdigest()[:16]}.safetensors"
     if path.exists():
@@ -67,18 +69,18 @@ def compute_features(profile, examples, cfg: MtpTrainConfig, cache: Path, say=pr
         return [Entries(e.tokens, st[f"{i}.h"], st[f"{i}.ids"].long(), st[f"{i}.logp"])
                 for i, e in enumerate(examples)]
     engine = load_target(profile, context=max(len(e.tokens) for e in examples) + 1)
-    layer = FINAL if cfg.hidden_source == "post_norm" else engine.model.cfg.n_layers - 1
     head = engine.model.head.weight if engine.model.head.weight is not None else engine.model.embed
     out, tensors = [], {}
     started = time.perf_counter()
     try:
         with bar("target states", len(examples)) as update:
             for i, e in enumerate(examples):
-                _, hidden = engine.forward(e.tokens.tolist(), 0, (layer, FINAL), all_logits=False)
+                _, hidden = engine.forward(e.tokens.tolist(), 0, tuple(layers) + (FINAL,), all_logits=False)
                 logits = F.linear(hidden[FINAL][1:].to(head.dtype), head)  # one GEMM for every row
                 logp = torch.log_softmax(logits.float(), dim=-1)
-                v, ids = logp.topk(cfg.top_k, dim=-1)
-                s = Entries(e.tokens, hidden[layer][:-1].to(torch.float16), ids, v.to(torch.float16))
+                v, ids = logp.topk(top_k, dim=-1)
+                h = torch.cat([hidden[j][:-1] for j in layers], -1)
+                s = Entries(e.tokens, h.to(torch.float16), ids, v.to(torch.float16))
                 out.append(s)
                 tensors |= {f"{i}.h": s.hidden.contiguous(), f"{i}.ids": ids.to(torch.int32).contiguous(),
                             f"{i}.logp": s.top_logp.contiguous()}
@@ -275,7 +277,9 @@ def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=pri
     del ck
 
     # computed (and cached) in load order, so another hold-out split reuses them
-    by_id = dict(zip((e.id for e in examples), compute_features(profile, examples, cfg, state_dir, say)))
+    layer = FINAL if cfg.hidden_source == "post_norm" else tcfg.n_layers - 1
+    by_id = dict(zip((e.id for e in examples), compute_features(profile, examples, (layer,), cfg.top_k, state_dir,
+                                                                say)))
     train_seqs, eval_seqs = [by_id[e.id] for e in train_ex], [by_id[e.id] for e in eval_ex]
     vocab = choose_draft_vocab(train_seqs, cfg.draft_vocab, tcfg.vocab_size)
     to_sub = torch.arange(tcfg.vocab_size) if vocab is None else torch.full((tcfg.vocab_size,), -1, dtype=torch.long)

@@ -47,6 +47,16 @@ class MtpTrainConfig(TrainConfig):
 
 
 @dataclass
+class Eagle3TrainConfig(TrainConfig):
+    lr: float = 1e-3
+    top_k: int = 32
+    draft_vocab: int = 8192  # 0: the whole vocabulary
+    taps: list[int] | None = None  # target layers whose input is fused (None: the published 2, L // 2, L - 3)
+    ttt_steps: int = 3  # drafting steps unrolled in training (the training-time test)
+    ttt_decay: float = 0.8  # loss weight of step s: ttt_decay ** s
+
+
+@dataclass
 class DFlashTrainConfig(TrainConfig):
     batch_tokens: int = 1024
     anchors: int = 16  # blocks per sequence and step
