@@ -8,14 +8,18 @@ A head drafts from features of three target layers (low, middle, high), fused by
     o[t]  = mlp_block(r + attention(x))         # one decoder layer; attends to entries 0..t
     logits over the draft vocabulary = lm_head(norm(o[t])); target id = i + d2t[i]
 
-Deeper drafts feed the layer's own output o (before `norm`) back in place of f. Tap ids follow
-vLLM's convention: tap j is the input of target layer j (the output of layer j - 1, or for j = 0
-the token embedding), 0 <= j < L; the default is (2, L // 2, L - 3). Four public formats hold the same tensors under other names and configs
+Deeper drafts feed the layer's own output o (before `norm`; after it for vLLM's and speculators'
+`norm_output`) back in place of f. Tap j is the input of target layer j (the output of layer j - 1,
+or for j = 0 the token embedding), 0 <= j < L, as vLLM reads a config's top-level
+`eagle_aux_hidden_state_layer_ids`; SpecForge's nested `eagle_config` ids name layer outputs (one
+less). The default is (2, L // 2, L - 3). Optional norms over the taps before `fc`:
+`norm_before_fc` (one over their concatenation, `input_norm`) and `fc_norm` (one per tap). Four
+public formats hold the same tensors under other names and configs
 (../shared/reference/hybrid-moe-eagle3.md, section 4):
 
 - eagle        the original EAGLE release: `midlayer.*`, config.json with `draft_vocab_size`
 - specforge    SpecForge's `LlamaForCausalLMEagle3`: `midlayer.*`
-- vllm         vLLM / AngelSlim's `Eagle3LlamaForCausalLM`: `midlayer.*` or `model.layers.0.*`
+- vllm         vLLM / AngelSlim's `Eagle3LlamaForCausalLM`: `midlayer.*` (or vLLM's own `model.layers.0.*`)
 - speculators  vLLM's speculators `Eagle3Speculator`: `layers.0.*`, the layer's config nested
                in `transformer_layer_config`, `speculators_config` naming the verifier
 """
@@ -53,6 +57,8 @@ class Eagle3Weights:
     taps: tuple[int, ...]  # target layers whose input is fused (vLLM's ids)
     norm_before_residual: bool
     embed: Tensor | None  # the head's own embedding, if the checkpoint has one (else the target's)
+    tap_norms: list[Tensor] | None = None  # norm_before_fc: one [taps * H]; fc_norm: one [H] per tap
+    feed_normed: bool = False  # vLLM's / speculators' norm_output: the next step gets norm(o)
 
 
 def default_taps(n_layers: int) -> tuple[int, ...]:
@@ -107,9 +113,6 @@ def read_eagle3(path: Path, target: ModelConfig) -> Eagle3Weights:
                            "Eagle3Speculator)")
     layer_config = config.get("transformer_layer_config", config) if fmt == "speculators" else config
     cfg = replace(ModelConfig.from_hf(layer_config, f"{path}/config.json"), n_layers=1, layer_types=(), linear=None)
-    if config.get("norm_before_fc"):
-        raise BackendError(f"{path}: this head normalises the taps before fc (norm_before_fc, gpt-oss), which "
-                           "the torch engine does not run; serve it with vLLM (backend: openai)")
     t = _tensors(path)
     prefix = next((p for p in LAYER_PREFIXES if p + "self_attn.q_proj.weight" in t), None)
     if prefix is None:
@@ -124,15 +127,28 @@ def read_eagle3(path: Path, target: ModelConfig) -> Eagle3Weights:
     layer = {key: need(prefix + suffix) for key, suffix in HF_LAYER_NAMES.items()
              if key in LAYER_KEYS or prefix + suffix in t}
     layer["hidden_norm"] = need(prefix + "hidden_norm.weight")
-    taps = tuple(config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids") or default_taps(target.n_layers))
+    eagle_config = config.get("eagle_config") or {}
+    if config.get("eagle_aux_hidden_state_layer_ids"):
+        taps = tuple(config["eagle_aux_hidden_state_layer_ids"])
+    elif eagle_config.get("eagle_aux_hidden_state_layer_ids"):  # SpecForge: the outputs of these layers
+        taps = tuple(j + 1 for j in eagle_config["eagle_aux_hidden_state_layer_ids"])
+    else:
+        taps = default_taps(target.n_layers)
+    tap_norms = None
+    if config.get("norm_before_fc") or eagle_config.get("norm_before_fc"):
+        tap_norms = [need("input_norm.weight")]
+    elif config.get("fc_norm"):
+        tap_norms = [need(f"fc_norm.{i}.weight") for i in range(len(taps))]
     draft_ids = None
     if "d2t" in t:
         offsets = t["d2t"].long()
         draft_ids = torch.arange(len(offsets)) + offsets
+    # speculators (and vLLM reading its configs) take a missing norm_before_residual as true
     w = Eagle3Weights(fmt, cfg, layer, need("fc.weight"), need("norm.weight"), need("lm_head.weight"), draft_ids,
-                      taps, bool(config.get("norm_before_residual", False)),
-                      t["embed_tokens.weight"].float() if "embed_tokens.weight" in t else None)
+                      taps, bool(config.get("norm_before_residual", fmt == "speculators")),
+                      t["embed_tokens.weight"].float() if "embed_tokens.weight" in t else None, tap_norms,
+                      # SpecForge's norm_output only says lm_head reads norm(o), which every format does
+                      bool(config.get("norm_output")) and fmt in ("vllm", "speculators"))
     check_fits(path, w, target)
     return w
 
@@ -165,6 +181,10 @@ def check_fits(path: Path, w: Eagle3Weights, target: ModelConfig) -> None:
     elif len(w.lm_head) != target.vocab_size:
         raise BackendError(f"{path}: lm_head has {len(w.lm_head)} rows but the head has no d2t to map them to "
                            f"the target's {target.vocab_size} tokens; download the head again")
+    norms = [tuple(n.shape) for n in w.tap_norms or []]
+    if norms and norms != [(len(w.taps) * H,)] and norms != [(H,)] * len(w.taps):
+        raise BackendError(f"{path}: the norms over the taps have shapes {norms}, a head for this target needs "
+                           f"{[(len(w.taps) * H,)]} or {[(H,)] * len(w.taps)}; {other}")
     if w.embed is not None and tuple(w.embed.shape) != (target.vocab_size, H):
         raise BackendError(f"{path}: embed_tokens has shape {tuple(w.embed.shape)}, the target's embedding is "
                            f"{(target.vocab_size, H)}; {other}")
@@ -189,6 +209,8 @@ class Eagle3Head:
 
         eps = self.cfg.norm_eps
         self.fc = linear(w.fc)
+        self.tap_norms = [RMSNorm(n.to(dev), eps) for n in w.tap_norms or []]
+        self.feed_normed = w.feed_normed
         self.hidden_norm = RMSNorm(w.layer["hidden_norm"].to(dev), eps)
         # the layer's input norm is EAGLE-3's `input_layernorm`, which normalises the token embedding
         self.layer = decoder_layer(self.cfg, build_layer(quantize_layer(body) if int4 else body, dtype, int4, dev))
@@ -208,29 +230,39 @@ class Eagle3Head:
     def fuse(self, hidden: dict[int, Tensor], tokens: Tensor) -> Tensor:
         """f [n, H] for n positions: the target's hidden states there (`hidden_layers`) and their
         tokens [n] (tap 0 is their embedding)."""
-        taps = torch.cat([hidden[j - 1].float() if j else self.target.embed[tokens].float() for j in self.taps], -1)
-        return self.fc(taps.to(self.dtype)).float()
+        taps = [hidden[j - 1].float() if j else self.target.embed[tokens].float() for j in self.taps]
+        if len(self.tap_norms) == len(taps) > 1:
+            taps = [norm(x) for norm, x in zip(self.tap_norms, taps)]
+        x = torch.cat(taps, -1)
+        if len(self.tap_norms) == 1:
+            x = self.tap_norms[0](x)
+        return self.fc(x.to(self.dtype)).float()
 
     @torch.inference_mode()
     def forward(self, features: Tensor, next_tokens: Tensor, start: int) -> Tensor:
         """features [K, H] (fused taps, or the layer's own earlier output), next_tokens [K]: entries
-        start..start+K-1. Returns the layer's outputs o [K, H] (before `norm`)."""
+        start..start+K-1. Returns what the next step is fed: the layer's outputs o [K, H] (or norm(o)
+        with `feed_normed`); `greedy` and the logits take it as it is."""
         K = features.shape[0]
         h = self.hidden_norm(features.float())
         residual = h if self.norm_before_residual else features.float()
         x = torch.cat([self.layer.attn_norm(self.embed[next_tokens].float()), h], -1).to(self.dtype)
         attend, write = entries_attention(self.cache, start, K)
         a = self.layer.attention(x, attend, self.rope_cos[write], self.rope_sin[write], self.dtype)
-        return self.layer.feed_forward(residual + a, self.dtype)
+        o = self.layer.feed_forward(residual + a, self.dtype)
+        return self.norm(o) if self.feed_normed else o
+
+    def _normed(self, o: Tensor) -> Tensor:
+        return o if self.feed_normed else self.norm(o)
 
     def vocab_logits(self, o: Tensor) -> tuple[Tensor, Tensor | None]:
-        return self.out.vocab_logits(self.norm(o))
+        return self.out.vocab_logits(self._normed(o))
 
     def greedy(self, o: Tensor) -> Tensor:
-        return self.out.greedy(self.norm(o))
+        return self.out.greedy(self._normed(o))
 
     def logits(self, o: Tensor) -> Tensor:
-        return self.out.logits(self.norm(o))
+        return self.out.logits(self._normed(o))
 
     def reset(self) -> None:
         self.cache.length = 0

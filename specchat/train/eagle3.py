@@ -269,7 +269,11 @@ def export(model: Eagle3TrainHead, tcfg: ModelConfig, vocab: torch.Tensor, taps:
               "rope_theta": tcfg.rope_theta, "max_position_embeddings": tcfg.max_position,
               "vocab_size": tcfg.vocab_size, "draft_vocab_size": len(vocab), "hidden_act": "silu",
               "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(taps)}}
+              # vLLM reads the top-level ids as layer inputs; SpecForge / SGLang the nested ones as
+              # layer outputs (one less, so a tap 0, the embedding, has none)
+              "eagle_aux_hidden_state_layer_ids": list(taps)}
+    if min(taps) > 0:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [j - 1 for j in taps]}
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 

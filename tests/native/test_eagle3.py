@@ -9,7 +9,8 @@ from specchat.backends.base import BackendError
 from specchat.backends.native.eagle3 import Eagle3Head, default_taps, detect_format, read_eagle3
 from specchat.backends.native.engine import TorchBackend
 from tests.native.tiny import make_hf_checkpoint
-from tests.speculative.tiny_eagle3 import FORMATS, make_eagle3_checkpoint, raw_tensors, reference_entries, reference_logits
+from tests.speculative.tiny_eagle3 import (FORMATS, make_eagle3_checkpoint, raw_tensors, reference_entries,
+                                         reference_fuse, reference_logits, rms)
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +23,13 @@ def engine(path, precision="float32"):
                         context=128)
 
 
-def transformers_taps(target_dir, ids, taps):
-    """The inputs of the tapped layers, from transformers' own forward (hidden_states[j] is the input of layer j)."""
+def transformers_hidden_states(target_dir, ids):
+    """transformers' own hidden states: [j] is the input of layer j (0: the embedding)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
     with torch.no_grad():
-        hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    return torch.cat([hs[j][0] for j in taps], -1)
+        return [h[0] for h in model(torch.tensor([ids]), output_hidden_states=True).hidden_states]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -44,10 +44,12 @@ def test_every_format_reads_the_same_head(tiny_target, tmp_path, fmt):
     assert (w.cfg.n_heads, w.cfg.n_kv_heads, w.cfg.head_dim, w.cfg.ffn_dim) == (4, 2, 16, 96)
 
 
-@pytest.mark.parametrize("fmt,norm_before_residual", [("specforge", False), ("speculators", True), ("eagle", False),
-                                                      ("vllm", True)])
-def test_head_matches_the_reference(tiny_target, tmp_path, fmt, norm_before_residual):
-    path = make_eagle3_checkpoint(tmp_path / fmt, tiny_target, fmt, seed=6, norm_before_residual=norm_before_residual)
+@pytest.mark.parametrize("fmt,norm_before_residual,tap_norms,norm_output", [
+    ("specforge", False, None, False), ("speculators", True, None, False), ("eagle", False, None, False),
+    ("vllm", True, None, False), ("vllm", False, "norm_before_fc", False), ("speculators", True, "fc_norm", True)])
+def test_head_matches_the_reference(tiny_target, tmp_path, fmt, norm_before_residual, tap_norms, norm_output):
+    path = make_eagle3_checkpoint(tmp_path / fmt, tiny_target, fmt, seed=6, norm_before_residual=norm_before_residual,
+                                  tap_norms=tap_norms, norm_output=norm_output)
     target = engine(tiny_target)
     head = Eagle3Head(read_eagle3(path, target.model.cfg), target.model, 128)
     ids = target.tokenize_chat([{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}])
@@ -60,20 +62,43 @@ def test_head_matches_the_reference(tiny_target, tmp_path, fmt, norm_before_resi
     w, cfg = raw_tensors(path), json.loads((path / "config.json").read_text())
     layer_cfg = cfg.get("transformer_layer_config", cfg)
     embed = target.model.embed.float()
-    feats = transformers_taps(tiny_target, ids, (0, 1, 2))[:T] @ w["fc.weight"].T
+    hs = transformers_hidden_states(tiny_target, ids)
+    feats = reference_fuse(w, [hs[j][:T] for j in (0, 1, 2)])
     args = (layer_cfg["num_attention_heads"], layer_cfg["num_key_value_heads"], layer_cfg["rope_theta"],
             norm_before_residual)
     ref = reference_entries(w, feats, embed[ids[1:]], torch.arange(T), torch.ones(T, T).tril().bool(), *args)
-    torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-4)
+    fed = rms(ref, w["norm.weight"]) if norm_output else ref  # vLLM's norm_output feeds back norm(o)
+    torch.testing.assert_close(o, fed, rtol=1e-4, atol=1e-4)
     visible = torch.ones(T + 1, T + 1).tril().bool()  # the fed-back entry sees the real ones and itself
-    ref2 = reference_entries(w, torch.cat([feats, ref[-1:]]), embed[ids[1:] + [7]], torch.arange(T + 1), visible,
+    ref2 = reference_entries(w, torch.cat([feats, fed[-1:]]), embed[ids[1:] + [7]], torch.arange(T + 1), visible,
                              *args)[-1:]
-    torch.testing.assert_close(o2, ref2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(o2, rms(ref2, w["norm.weight"]) if norm_output else ref2, rtol=1e-4, atol=1e-4)
     vocab = target.model.cfg.vocab_size
     torch.testing.assert_close(head.logits(o), reference_logits(w, ref, vocab), rtol=1e-4, atol=1e-4)
     # the greedy pick over the draft vocabulary is the argmax of the full logits
     assert torch.equal(head.greedy(o), head.logits(o).argmax(-1))
     assert set(head.greedy(o).tolist()) <= set((torch.arange(96) + w["d2t"].long()).tolist())
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "vllm"])
+def test_specforges_nested_ids_name_layer_outputs(tiny_target, tmp_path, fmt):
+    path = make_eagle3_checkpoint(tmp_path / fmt, tiny_target, fmt, taps=(1, 2, 2))
+    assert json.loads((path / "config.json").read_text())["eagle_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [0, 1, 1]}
+    assert read_eagle3(path, engine(tiny_target).model.cfg).taps == (1, 2, 2)
+
+
+def test_speculators_heads_normalise_before_the_residual_unless_told_otherwise(tiny_target, tmp_path):
+    cfg = engine(tiny_target).model.cfg
+    path = make_eagle3_checkpoint(tmp_path / "s", tiny_target, "speculators", norm_before_residual=False)
+    assert read_eagle3(path, cfg).norm_before_residual is False
+    config = json.loads((path / "config.json").read_text())
+    del config["norm_before_residual"]
+    (path / "config.json").write_text(json.dumps(config))
+    assert read_eagle3(path, cfg).norm_before_residual is True  # as vLLM reads a speculators config
+    # SpecForge's norm_output only says lm_head reads norm(o): it feeds back o all the same
+    path = make_eagle3_checkpoint(tmp_path / "f", tiny_target, "specforge", norm_output=True)
+    assert read_eagle3(path, cfg).feed_normed is False
 
 
 def test_the_heads_own_embedding_is_used_when_it_has_one(tiny_target, tmp_path):
@@ -119,7 +144,7 @@ def test_the_format_is_told_by_the_config():
     (dict(taps=(1, 2)), r"'fc' has shape \(64, 128\), a head for this target needs \(64, 192\)"),
     (dict(drop=("fc.weight",)), "EAGLE-3 tensor fc.weight missing"),
     (dict(drop=("hidden_norm.weight",)), "hidden_norm.weight missing"),
-    (dict(config_edits={"norm_before_fc": True}), "norm_before_fc"),
+    (dict(tap_norms="fc_norm", drop=("fc_norm.1.weight",)), "fc_norm.1.weight missing"),
     (dict(config_edits={"draft_vocab_size": None, "architectures": ["LlamaForCausalLM"], "eagle_config": None}),
      "not an EAGLE-3 head"),
     (dict(draft_vocab=None, drop=("lm_head.weight",)), "lm_head.weight missing"),
@@ -127,7 +152,7 @@ def test_the_format_is_told_by_the_config():
 def test_a_head_that_does_not_fit_is_one_clear_line(tiny_target, tmp_path, edit, message):
     kwargs = dict(edit)
     if kwargs.get("taps") == (1, 2):  # an fc for two taps, the config naming three
-        kwargs["config_edits"] = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
+        kwargs["config_edits"] = {"eagle_config": None, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
     path = make_eagle3_checkpoint(tmp_path / "e", tiny_target, "specforge", **kwargs)
     with pytest.raises(BackendError, match=message) as e:
         read_eagle3(path, engine(tiny_target).model.cfg)

@@ -4,7 +4,8 @@ and a plain reference of the head's math over a whole sequence, independent of t
 Layouts (../shared/reference/hybrid-moe-eagle3.md, section 4):
 - eagle:       the original release: pytorch_model.bin, `midlayer.*`, a Llama config plus draft_vocab_size
 - specforge:   LlamaForCausalLMEagle3, model.safetensors, `midlayer.*`, eagle_config.eagle_aux_hidden_state_layer_ids
-- vllm:        Eagle3LlamaForCausalLM (AngelSlim), `model.layers.0.*` and `model.fc` etc.
+               naming layer outputs (tap - 1; top-level ids, vLLM's convention, where a tap is 0)
+- vllm:        Eagle3LlamaForCausalLM (AngelSlim's checkpoints): `midlayer.*`, ids as SpecForge's
 - speculators: Eagle3Speculator, `layers.0.*`, the layer's config in transformer_layer_config
 """
 from __future__ import annotations
@@ -22,7 +23,9 @@ FORMATS = ("eagle", "specforge", "vllm", "speculators")
 def make_eagle3_checkpoint(out: Path, target_dir: Path, fmt: str = "specforge", *, taps=(0, 1, 2),
                            draft_vocab: int | None = 96, heads: int = 4, kv_heads: int = 2, ffn: int = 96,
                            seed: int = 0, norm_before_residual: bool = False, with_embed: bool = False,
+                           tap_norms: str | None = None, norm_output: bool = False,
                            config_edits: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """tap_norms: "norm_before_fc" (one norm over the taps' concatenation) or "fc_norm" (one per tap)."""
     out.mkdir(parents=True, exist_ok=True)
     t = json.loads((target_dir / "config.json").read_text())
     d, vocab = t["hidden_size"], t["vocab_size"]
@@ -50,6 +53,13 @@ def make_eagle3_checkpoint(out: Path, target_dir: Path, fmt: str = "specforge", 
         top["t2d"] = t2d
     if with_embed:
         top["embed_tokens.weight"] = torch.randn(vocab, d, generator=g)
+    if tap_norms == "norm_before_fc":
+        top["input_norm.weight"] = norm(len(taps) * d)
+    elif tap_norms == "fc_norm":
+        top |= {f"fc_norm.{i}.weight": norm(d) for i in range(len(taps))}
+    # SpecForge's nested ids name layer outputs (one less); a tap 0 (the embedding) has no such id
+    ids = ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [j - 1 for j in taps]}} if min(taps) > 0
+           else {"eagle_aux_hidden_state_layer_ids": list(taps)})
     llama = {"hidden_size": d, "intermediate_size": ffn, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
              "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": t.get("rope_theta", 10000.0),
              "max_position_embeddings": 256, "vocab_size": vocab, "hidden_act": "silu", "model_type": "llama",
@@ -58,16 +68,10 @@ def make_eagle3_checkpoint(out: Path, target_dir: Path, fmt: str = "specforge", 
         names = {"midlayer." + k: v for k, v in layer.items()} | top
         config = llama | {"architectures": ["LlamaForCausalLM"], "draft_vocab_size": n_draft,
                           "eagle_aux_hidden_state_layer_ids": list(taps)}
-    elif fmt == "specforge":
+    elif fmt in ("specforge", "vllm"):
         names = {"midlayer." + k: v for k, v in layer.items()} | top
-        config = llama | {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": n_draft,
-                          "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(taps)}}
-    elif fmt == "vllm":
-        names = {"model.layers.0." + k: v for k, v in layer.items()}
-        names |= {("model." + k if k in ("fc.weight", "norm.weight", "embed_tokens.weight") else k): v
-                  for k, v in top.items()}
-        config = llama | {"architectures": ["Eagle3LlamaForCausalLM"], "draft_vocab_size": n_draft,
-                          "eagle_aux_hidden_state_layer_ids": list(taps)}
+        arch = "LlamaForCausalLMEagle3" if fmt == "specforge" else "Eagle3LlamaForCausalLM"
+        config = llama | {"architectures": [arch], "draft_vocab_size": n_draft} | ids
     elif fmt == "speculators":
         names = {"layers.0." + k: v for k, v in layer.items()} | top
         config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
@@ -80,6 +84,10 @@ def make_eagle3_checkpoint(out: Path, target_dir: Path, fmt: str = "specforge", 
         raise ValueError(fmt)
     if norm_before_residual and fmt != "speculators":
         config["norm_before_residual"] = True
+    if tap_norms:
+        config[tap_norms] = True
+    if norm_output:
+        config["norm_output"] = True
     config.update(config_edits or {})
     names = {k: v.contiguous() for k, v in names.items() if not any(k.endswith(x) for x in drop)}
     if fmt == "eagle":
@@ -110,7 +118,16 @@ def raw_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rms(x, w, eps=1e-6):
+def reference_fuse(w: dict, taps: list[torch.Tensor]) -> torch.Tensor:
+    """fc over the taps [T, H] each, with the head's norms over them if it has any."""
+    if "input_norm.weight" in w:
+        return rms(torch.cat(taps, -1), w["input_norm.weight"]) @ w["fc.weight"].T
+    if "fc_norm.0.weight" in w:
+        taps = [rms(x, w[f"fc_norm.{i}.weight"]) for i, x in enumerate(taps)]
+    return torch.cat(taps, -1) @ w["fc.weight"].T
+
+
+def rms(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
@@ -131,8 +148,8 @@ def reference_entries(w: dict, feats: torch.Tensor, embeds: torch.Tensor, positi
     Returns the layer outputs before the final norm."""
     T, d = feats.shape
     hd = d // heads
-    h = _rms(feats, w["hidden_norm.weight"])
-    x = torch.cat([_rms(embeds, w["input_layernorm.weight"]), h], -1)
+    h = rms(feats, w["hidden_norm.weight"])
+    x = torch.cat([rms(embeds, w["input_layernorm.weight"]), h], -1)
     q = _rope((x @ w["self_attn.q_proj.weight"].T).view(T, heads, hd), positions, theta)
     k = _rope((x @ w["self_attn.k_proj.weight"].T).view(T, kv_heads, hd), positions, theta)
     v = (x @ w["self_attn.v_proj.weight"].T).view(T, kv_heads, hd)
@@ -140,13 +157,13 @@ def reference_entries(w: dict, feats: torch.Tensor, embeds: torch.Tensor, positi
     scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(hd)
     a = torch.einsum("hts,shd->thd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v).reshape(T, d)
     r = (h if norm_before_residual else feats) + a @ w["self_attn.o_proj.weight"].T
-    m = _rms(r, w["post_attention_layernorm.weight"])
+    m = rms(r, w["post_attention_layernorm.weight"])
     return r + (F.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
 
 
 def reference_logits(w: dict, o: torch.Tensor, vocab: int) -> torch.Tensor:
     """Full-vocabulary logits of layer outputs o (-inf outside the draft vocabulary)."""
-    small = _rms(o, w["norm.weight"]) @ w["lm_head.weight"].T
+    small = rms(o, w["norm.weight"]) @ w["lm_head.weight"].T
     if "d2t" not in w:
         return small
     ids = torch.arange(len(w["d2t"])) + w["d2t"].long()
