@@ -12,6 +12,8 @@
     sampling.py     greedy and position-keyed Gumbel-max sampling; probs() for rejection sampling
     argmax_head.py  the float32 head's argmax choice at an int8 head's cost
     mtp.py          MTP / nextn heads: reading the public layouts, and the head itself
+    eagle3.py       EAGLE-3 heads: reading the four public formats, and the head itself
+    draft_vocab.py  VocabHead: a head's output over a draft vocabulary, mapped to target ids
     engine.py       TorchBackend: the streaming Backend plus what the speculative loop uses
     shared_weights.py  SharedWeights: a second run on an engine's weights, with a KV cache of its own
 

@@ -5,7 +5,8 @@
     gate.py        draft from a source only while its passes pay
     drafters.py    prompt lookup, a draft model, prompt lookup in front of a model drafter
     ngram.py       the n-gram index behind prompt lookup
-    mtp.py         the MTP drafter (the head itself: native/mtp.py)
+    mtp.py         the MTP drafter and the bookkeeping every head drafter shares (HeadDrafter)
+    eagle3.py      the EAGLE-3 drafter (the head itself: native/eagle3.py)
     dflash.py      the DFlash block drafter: its model, loader and drafter
     backend.py     SpeculativeBackend (a Backend whose stream is the loop) and SpeculativeSettings
 

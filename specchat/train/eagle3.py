@@ -37,7 +37,7 @@ from specchat.loading import target_path
 from specchat.train import loop
 from specchat.train.card import data_info_of, full_command, prompt_sources
 from specchat.train.examples import load_examples, schedule, split
-from specchat.train.mtp import _attention, _kl_ce_agree, choose_draft_vocab, compute_features
+from specchat.train.mtp import batched_attention, choose_draft_vocab, compute_features, kl_ce_agree
 from specchat.train.settings import Eagle3TrainConfig, flags_of
 
 
@@ -100,7 +100,7 @@ class Eagle3TrainHead(nn.Module):
             def attend(q, k, v):
                 ks.append(k)
                 vs.append(v)
-                return _attention(q, torch.cat(ks, 1), torch.cat(vs, 1), mask)
+                return batched_attention(q, torch.cat(ks, 1), torch.cat(vs, 1), mask)
 
             f = self.step(f, embeds[:, s:s + T], attend, cos[s:s + T], sin[s:s + T])
             outs.append(f)
@@ -152,7 +152,7 @@ def losses(model: Eagle3TrainHead, batch, cfg: Eagle3TrainConfig):
     for s, o in enumerate(model.unroll(feats, embeds, cfg.ttt_steps)):
         # step s at entry t is labelled like entry t+s at step 0; valid while t+s is
         m = mask[:, s:] & mask[:, :T - s]
-        kl, ce, a = _kl_ce_agree(model.norm(o[:, :T - s][m]), model.lm_head.weight, ids[:, s:][m], logp[:, s:][m])
+        kl, ce, a = kl_ce_agree(model.norm(o[:, :T - s][m]), model.lm_head.weight, ids[:, s:][m], logp[:, s:][m])
         total = total + cfg.ttt_decay ** s * (cfg.kl_weight * kl + cfg.ce_weight * ce)
         kl0, ce0 = (kl, ce) if s == 0 else (kl0, ce0)
         agree.append(a)

@@ -145,7 +145,7 @@ class MtpTrainHead(nn.Module):
 
         def causal(q, k, v):  # [B, T, heads, hd]
             real["k"], real["v"] = k, v
-            return _attention(q, k, v, None)
+            return batched_attention(q, k, v, None)
 
         g = self.norm(self.layer(self._project(hidden, next_embed), causal, cos, sin, torch.float32))
         if deeper_embed is None:
@@ -154,7 +154,7 @@ class MtpTrainHead(nn.Module):
         mask = torch.cat([sees_real, torch.eye(T - 1, dtype=torch.bool)], 1)  # ... and itself
 
         def after_real(q, k, v):
-            return _attention(q, torch.cat([real["k"], k], 1), torch.cat([real["v"], v], 1), mask)
+            return batched_attention(q, torch.cat([real["k"], k], 1), torch.cat([real["v"], v], 1), mask)
 
         g2 = self.norm(self.layer(self._project(g[:, :-1], deeper_embed), after_real, cos[1:], sin[1:], torch.float32))
         return g, g2
@@ -171,7 +171,7 @@ class MtpTrainHead(nn.Module):
         return {k: v.detach() for k, v in out.items()}
 
 
-def _attention(q, k, v, mask):
+def batched_attention(q, k, v, mask):
     """q [B, T, H, hd] over k, v [B, S, Hkv, hd] (mask None: causal) -> [B, T, H * hd]."""
     B, T, H, hd = q.shape
     a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
@@ -202,7 +202,7 @@ def collate(seqs: list[Entries], embed: torch.Tensor, to_sub: torch.Tensor):
     return hidden, embed[nxt], mask, ids, logp
 
 
-def _kl_ce_agree(g, head_w, ids, logp):
+def kl_ce_agree(g, head_w, ids, logp):
     logq = torch.log_softmax(g @ head_w.T, dim=-1)  # over the draft vocabulary
     valid = ids >= 0
     p = torch.softmax(logp.masked_fill(~valid, float("-inf")), dim=-1)
@@ -219,12 +219,12 @@ def losses(model: MtpTrainHead, head_w: torch.Tensor, batch, cfg: MtpTrainConfig
     hidden, nxt, mask, ids, logp = batch
     deeper = nxt[:, 1:] if cfg.depth2_weight else None
     g, g2 = model(hidden, nxt, deeper)
-    kl, ce, agree = _kl_ce_agree(g[mask], head_w, ids[mask], logp[mask])
+    kl, ce, agree = kl_ce_agree(g[mask], head_w, ids[mask], logp[mask])
     loss = cfg.kl_weight * kl + cfg.ce_weight * ce
     agree2 = None
     if g2 is not None:
         m2 = mask[:, 1:]  # entry t at depth 2 is labelled like entry t+1 at depth 1
-        kl2, ce2, agree2 = _kl_ce_agree(g2[m2], head_w, ids[:, 1:][m2], logp[:, 1:][m2])
+        kl2, ce2, agree2 = kl_ce_agree(g2[m2], head_w, ids[:, 1:][m2], logp[:, 1:][m2])
         loss = loss + cfg.depth2_weight * (cfg.kl_weight * kl2 + cfg.ce_weight * ce2)
     return loss, kl, ce, agree, agree2
 
