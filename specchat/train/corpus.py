@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from specchat.backends.base import BackendError
 from specchat.train.store import INFO, MANIFEST, Sample, ShardWriter, read_manifest
@@ -92,14 +93,17 @@ def unpack(corpus: Path, out: Path, profile, top_k: int = 32, shard_size: int = 
     done = {m["id"] for m in read_manifest(out)}
     todo = [m for m in lines if m["id"] not in done]
     engine = load_target(profile)
+    head = engine.model.head.weight if engine.model.head.weight is not None else engine.model.embed
     writer = ShardWriter(out, shard_size)
     try:
         for m in todo:
             ids = tokens[m["offset"]:m["offset"] + m["prompt_len"] + m["reply_len"]].astype(np.int64).tolist()
             prompt, reply = ids[:m["prompt_len"]], ids[m["prompt_len"]:]
             engine.truncate(0)
-            logits, _ = engine.forward(ids[:-1], 0)  # row i predicts token i + 1
-            logp = torch.log_softmax(logits[len(prompt) - 1:].float(), dim=-1)
+            states, _ = engine.forward(ids[:-1], 0, head=False)  # row i predicts token i + 1
+            # the reply's rows only, in one GEMM (the engine's own head multiplies row pairs on CPU)
+            logits = F.linear(states[len(prompt) - 1:].to(head.dtype), head)
+            logp = torch.log_softmax(logits.float(), dim=-1)
             v, i = logp.topk(top_k, dim=-1)
             writer.add(Sample(m["id"], prompt, reply, i.to(torch.int32), v.to(torch.float16), m["stop"]))
     finally:
