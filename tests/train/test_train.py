@@ -301,3 +301,10 @@ def test_the_corpus_keeps_replies_compactly_and_gives_them_back(tiny, trained, p
         assert a.tokens.tolist() == b.tokens.tolist() and a.prompt_len == b.prompt_len
         replies = a.tokens[a.prompt_len:]
         assert (b.topk_ids[:, 0] == replies).float().mean() > 0.9  # teacher-forced prefill vs decoding
+    # a drafter trained on it says how to make the data again: unpack, not regenerate
+    from specchat.profiles import load_profiles
+    from specchat.train.card import data_commands
+
+    commands = data_commands(load_profiles().profiles.get(profile), [data, out])
+    assert commands[0].startswith("specchat train data ")
+    assert commands[1] == f"specchat train unpack --target {profile} --corpus {corpus} --out {out} --top-k 8"
