@@ -81,3 +81,38 @@ def test_a_profile_with_a_head_for_another_model_is_one_line(tiny_pair, tmp_path
         load_speculative(profile)
     with pytest.raises(ValueError, match="method 'eagle3' needs `drafter`"):
         Profile(name="t", model=str(tiny_pair[0]), speculative={"method": "eagle3"})
+
+
+def test_the_shipped_head_fits_its_profile():
+    """profiles/drafters/smollm2-eagle3: at most 30 MB, SpecForge's layout, a card that says how to
+    make it again, and the profile that drafts with it."""
+    import json
+
+    from specchat.profiles import load_profiles
+
+    profile = load_profiles().profiles["smollm2-eagle3"]
+    assert profile.speculative.method == "eagle3"
+    path = profile.resolve_path(profile.speculative.drafter)
+    assert (path / "model.safetensors").stat().st_size <= 30e6
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    card = (path / "README.md").read_text()
+    assert "specchat train eagle3" in card and "specchat train unpack" in card
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", ["0", "0.7"])
+def test_verify_the_shipped_head_on_the_real_default_model(default_gguf, tmp_path, temperature):
+    import json
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": [
+        "Explain in three sentences why the sky is blue."]}) + "\n")
+    done = subprocess.run([sys.executable, "-m", "specchat.cli", "verify", "-p", "smollm2-eagle3", "--prompts",
+                           str(prompts), "--max-tokens", "48", "--temperature", temperature, "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["identical"] == 1 and out["mismatches"] == 0 and out["strict"] is True
+    assert out["prompts_checked"][0]["mean_accepted"] > 1.0  # the head's guesses are taken
