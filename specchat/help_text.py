@@ -86,6 +86,10 @@ examples:
 examples:
   specchat train data --prompts runs/prompts.jsonl --out runs/data
   specchat train data --prompts runs/prompts.jsonl --out runs/data --batch 48""",
+    "train tasks": """\
+examples:
+  specchat train tasks --kind documents --count 40 --out runs/documents
+  specchat train tasks --kind conversations --count 200 --out runs/chats --batch 32""",
     "train corpus": """\
 examples:
   specchat train corpus --data runs/data --out profiles/drafters/corpus/smollm2""",
@@ -132,6 +136,7 @@ SUMMARIES = {
     "train": "train a draft model for a target (distillation data, then the drafter)",
     "train prompts": "let the target write training prompts itself (Magpie): varied, no dataset",
     "train data": "let the target answer training prompts; store replies and top-k probabilities",
+    "train tasks": "let the target write documents, conversations, math or code and work on them: data like users' requests",
     "train corpus": "pack `train data` replies into the repository's corpus (token ids only)",
     "train unpack": "a `train data` directory from a packed corpus (top-k recomputed)",
     "train draft": "train a small Llama draft model on `train data` output",

@@ -31,8 +31,9 @@ def data_info_of(dirs: list[Path]) -> dict:
 def data_commands(profile, data: list[Path]) -> list[str]:
     """The commands that make each data directory again, from its info.json (a directory without
     one is left out): `specchat train unpack` where it came from the corpus in the repository (its
-    replies are kept there; minutes, not hours), else `specchat train data`, after the
-    `specchat train prompts` command of any prompt file the target wrote itself."""
+    replies are kept there; minutes, not hours), `specchat train tasks` where the target wrote its
+    own material, else `specchat train data`, after the `specchat train prompts` command of any
+    prompt file the target wrote itself."""
     commands = []
     for d in data:
         if not (d / INFO).exists():
@@ -41,6 +42,11 @@ def data_commands(profile, data: list[Path]) -> list[str]:
         if info.get("unpacked_from"):
             commands.append(f"specchat train unpack --target {info.get('target', profile.name)} "
                             f"--corpus {info['unpacked_from']} --out {d} --top-k {info['top_k']}")
+            continue
+        if info.get("kind"):  # written by `specchat train tasks`
+            from specchat.train.tasks import remake_command as tasks_command
+
+            commands.append(tasks_command(info, d))
             continue
         for f in info["prompt_files"]:  # prompts the target wrote itself come first
             prompts = remake_command(Path(f))

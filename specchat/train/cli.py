@@ -1,4 +1,4 @@
-"""`specchat train data|corpus|unpack|draft|replayssm|mtp|eagle3|dflash`: argparse wiring (added to the main parser by `add_train_parser`)."""
+"""`specchat train prompts|data|tasks|corpus|unpack|draft|replayssm|mtp|eagle3|dflash`: argparse wiring (added to the main parser by `add_train_parser`)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ from pathlib import Path
 from specchat.help_text import subcommand
 from specchat.profiles import get_profile
 from specchat.train import BATCH_DTYPES
+from specchat.train.tasks import KINDS
 from specchat.train.settings import (DFlashTrainConfig, DraftTrainConfig, Eagle3TrainConfig, MtpTrainConfig,
                                      add_training_flags, config_from_args)
 
@@ -25,6 +26,17 @@ def cmd_data(args) -> int:
     make_data(profile, args.prompts, Path(args.out), max_tokens=args.max_tokens, limit=args.limit,
               top_k=args.top_k, temperature=args.temperature, seed=args.seed, instances=args.instances,
               variants=args.variants, batch=args.batch, dtype=args.dtype, say=_say)
+    return 0
+
+
+def cmd_tasks(args) -> int:
+    from specchat.train.tasks import make_tasks
+
+    profile = get_profile(args.target)
+    if args.threads is not None:
+        profile = profile.model_copy(update={"threads": args.threads})
+    make_tasks(profile, args.kind, Path(args.out), args.count, top_k=args.top_k, temperature=args.temperature,
+               seed=args.seed, batch=args.batch, dtype=args.dtype, max_tokens=args.max_tokens, say=_say)
     return 0
 
 
@@ -150,6 +162,25 @@ def add_train_parser(sub) -> None:
                    help="precision of the batched model (with --batch; default bfloat16: ~1.8x float32's rate)")
     p.add_argument("--threads", type=int, help="override the profile's threads (1 is fastest on a busy machine)")
     p.set_defaults(func=cmd_data)
+
+    p = tsub.add_parser("tasks", **subcommand("train tasks"))
+    p.add_argument("--target", default="smollm2", help="target profile (torch backend)")
+    p.add_argument("--kind", required=True, choices=KINDS,
+                   help="documents (written, then summarised, questioned, translated, edited), conversations "
+                        "(two turns, the target writing the user's too), math (posed, then solved step by step), "
+                        "code (written, then explained, edited, tested)")
+    p.add_argument("--count", type=int, required=True, help="items wanted in the directory (several samples each)")
+    p.add_argument("--out", required=True, help="data directory (resumable: items already there are skipped)")
+    p.add_argument("--top-k", type=int, default=32, help="target probabilities kept per position (default 32)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="for the material the target writes (documents, problems, user turns); work on it is greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=16, help="items decoded at once (transformers' model)")
+    p.add_argument("--max-tokens", type=int, help="cap every stage's reply length (stages have their own, up to 384)")
+    p.add_argument("--dtype", choices=BATCH_DTYPES, default="bfloat16",
+                   help="precision of the batched model (default bfloat16)")
+    p.add_argument("--threads", type=int, help="override the profile's threads")
+    p.set_defaults(func=cmd_tasks)
 
     p = tsub.add_parser("corpus", **subcommand("train corpus"))
     p.add_argument("--data", nargs="+", required=True, help="`train data` directories to pack")

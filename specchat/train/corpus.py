@@ -46,7 +46,7 @@ def pack(data: Path, out: Path) -> int:
     lines, tokens = read_corpus(out)
     if (out / INFO).exists():
         old = json.loads((out / INFO).read_text())
-        keep = ("target", "max_tokens", "temperature", "seed", "generator")
+        keep = ("target", "kind", "max_tokens", "temperature", "seed", "generator")
         if any(old.get(k) != info.get(k) for k in keep):
             raise BackendError(f"{out}: holds replies made with other settings ({ {k: old.get(k) for k in keep} }); "
                                "pack into another directory")
@@ -73,8 +73,22 @@ def pack(data: Path, out: Path) -> int:
     tmp.replace(out / TOKENS)
     with open(out / MANIFEST, "a", encoding="utf-8") as f:
         f.writelines(json.dumps(m) + "\n" for m in new)
-    (out / INFO).write_text(json.dumps({k: v for k, v in info.items() if k != "top_k"}, indent=1))
+    counts = tokens_by_kind(lines + new)
+    (out / INFO).write_text(json.dumps({k: v for k, v in info.items() if k != "top_k"} | counts, indent=1))
     return len(new)
+
+
+def tokens_by_kind(lines: list[dict]) -> dict:
+    """How many replies and reply tokens the corpus holds of each kind: the stage after `~` in a
+    sample id (`documents:3~summary`, a derived prompt's `~translate`), `reply` for plain prompts."""
+    replies: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    for m in lines:
+        kind = m["id"].rsplit("~", 1)[1] if "~" in m["id"] else "reply"
+        replies[kind] = replies.get(kind, 0) + 1
+        tokens[kind] = tokens.get(kind, 0) + m["reply_len"]
+    return {"replies": sum(replies.values()), "reply_tokens": sum(tokens.values()),
+            "by_kind": {k: {"replies": replies[k], "reply_tokens": tokens[k]} for k in sorted(tokens)}}
 
 
 @torch.inference_mode()

@@ -20,9 +20,11 @@ _SENTINEL = "\x00specchat-user-turn\x00"
 MIN_CHARS = 12  # shorter "prompts" are mostly greetings and fragments
 
 
-def user_turn_prefix(tokenizer, system: str | None) -> list[int]:
-    """Token ids of the chat template up to where a user's text would start."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SENTINEL}]
+def user_turn_prefix(tokenizer, system: str | None, history: list[dict] = ()) -> list[int]:
+    """Token ids of the chat template up to where a user's text would start (after `history`, the
+    turns so far: a follow-up question is written the same way as a first one)."""
+    messages = ([{"role": "system", "content": system}] if system else []) + list(history) + \
+        [{"role": "user", "content": _SENTINEL}]
     text = tokenizer.hf.apply_chat_template(messages, tokenize=False)
     if _SENTINEL not in text:
         raise BackendError("the target's chat template does not place the user's text verbatim; "
