@@ -89,7 +89,7 @@ examples:
     "train tasks": """\
 examples:
   specchat train tasks --kind documents --count 40 --out runs/documents
-  specchat train tasks --kind conversations --count 200 --out runs/chats --batch 32""",
+  specchat train tasks --kind conversations --count 200 --out runs/chats""",
     "train corpus": """\
 examples:
   specchat train corpus --data runs/data --out profiles/drafters/corpus/smollm2""",

@@ -74,7 +74,8 @@ def pack(data: Path, out: Path) -> int:
     with open(out / MANIFEST, "a", encoding="utf-8") as f:
         f.writelines(json.dumps(m) + "\n" for m in new)
     counts = tokens_by_kind(lines + new)
-    (out / INFO).write_text(json.dumps({k: v for k, v in info.items() if k != "top_k"} | counts, indent=1))
+    settings = {k: v for k, v in info.items() if k not in ("top_k", "unpacked_from")}  # top-k: recomputed
+    (out / INFO).write_text(json.dumps(settings | counts, indent=1))
     return len(new)
 
 

@@ -50,6 +50,11 @@ LANGUAGES = ("German", "French", "Spanish", "Italian", "Portuguese")
 EDITS = ("Rewrite the following text so that it is clearer and more formal.",
          "Shorten the following text to half its length, keeping every fact.",
          "Fix any mistakes in the following text and improve its style.")
+# One worked pattern for the problems (a small model echoes "two steps of arithmetic" when asked for them).
+MATH_EXAMPLES = ("Tom has 12 apples. He gives 5 to his sister and buys 8 more. How many apples does he have now?",
+                 "A bus carries 34 people. At the first stop 9 get off and 15 get on. How many people are on the bus?",
+                 "Anna saves $6 a week for 7 weeks and then spends $18 on a book. How much money does she have left?",
+                 "A garden has 4 rows of 9 plants. 7 plants die. How many plants are left?")
 MIN_DOCUMENT_CHARS = 400  # shorter "documents" are refusals and fragments: nothing to work on
 MIN_TRANSLATION_CHARS = 200
 MIN_PROBLEM_CHARS = 40
@@ -119,8 +124,8 @@ def _conversations() -> list[Stage]:
 def _math() -> list[Stage]:
     return [
         Stage("problem", lambda i, t: _user(
-            f"Write a math word problem about {_subject(i)} that takes two or three steps of arithmetic to solve. "
-            "Write only the problem."), 128, sampled=True),
+            f"Write a math word problem for a school student about {_subject(i)}, with numbers, like this one: "
+            f"\"{MATH_EXAMPLES[i % len(MATH_EXAMPLES)]}\" Write only the new problem."), 128, sampled=True),
         Stage("solution", lambda i, t: _user(f"{t['problem']}\n\nSolve this step by step, then give the final "
                                              "answer.") if len(t.get("problem", "")) >= MIN_PROBLEM_CHARS else None, 256),
     ]
