@@ -7,6 +7,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 METHODS = ("none", "draft", "ngram", "mtp", "dflash", "replayssm", "eagle3")
+MODEL_DRAFTERS = ("draft", "mtp", "dflash", "replayssm", "eagle3")  # the methods `lookup` can sit in front of
 
 
 class Strict(BaseModel):
@@ -22,7 +23,7 @@ class SamplingConfig(Strict):
 
 
 class SpeculativeConfig(Strict):
-    method: Literal["none", "draft", "ngram", "mtp", "dflash", "replayssm", "eagle3"] = "none"
+    method: Literal[METHODS] = "none"
     depth: int = Field(4, ge=1, le=64)
     drafter: Optional[str] = None
     acceptance: Literal["exact", "rejection"] = "exact"
@@ -63,9 +64,8 @@ class SpeculativeConfig(Strict):
         if self.method == "eagle3" and not self.drafter:
             raise ValueError("method 'eagle3' needs `drafter`: an EAGLE-3 head directory (a public head, "
                              "or one made by `specchat train eagle3`)")
-        if self.lookup and self.method not in ("draft", "mtp", "dflash", "replayssm", "eagle3"):
-            raise ValueError(f"`lookup` puts prompt lookup in front of a model drafter (draft, mtp, dflash, replayssm, "
-                             f"eagle3); "
+        if self.lookup and self.method not in MODEL_DRAFTERS:
+            raise ValueError(f"`lookup` puts prompt lookup in front of a model drafter ({', '.join(MODEL_DRAFTERS)}); "
                              f"method '{self.method}' has none (for prompt lookup alone use method: ngram)")
         if self.copy_depth and self.method != "ngram" and not self.lookup:
             raise ValueError("`copy_depth` lengthens prompt-lookup drafts: it needs method 'ngram', or `lookup` "
