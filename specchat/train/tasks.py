@@ -156,8 +156,7 @@ def make_tasks(profile, kind: str, out: Path, count: int, top_k: int = 32, tempe
                say=print) -> dict:
     """Run `count` items of `kind` through their stages into the data directory `out` (resumable).
     `max_tokens` caps every stage's reply length (each stage has its own, up to 384)."""
-    from specchat.loading import messages_for
-    from specchat.train.batched import batched_model, generate_batch
+    from specchat.train.batched import batched_model
     from specchat.train.store import INFO, ShardWriter, read_manifest
 
     if kind not in PIPELINES:
@@ -188,46 +187,55 @@ def make_tasks(profile, kind: str, out: Path, count: int, top_k: int = 32, tempe
     if not todo:
         return info
     model, tokenizer = batched_model(profile, dtype)
-    eos = tokenizer.eos_ids
     started, n_tokens = time.perf_counter(), 0
     with bar(f"{kind} items", count, count - len(todo)) as update:
         for at in range(0, len(todo), batch):
             items = todo[at:at + batch]
             writer = ShardWriter(out, shard_size=10**9)  # one shard per batch of items: all or nothing
-            texts: dict[int, dict[str, str]] = {i: {} for i in items}
-            for stage in stages:
-                jobs = []
-                for i in items:
-                    history = stage.ask(i, texts[i])
-                    if history is None:
-                        continue
-                    history = messages_for(profile, history)
-                    ids = (user_turn_prefix(tokenizer, None, history) if stage.user
-                           else tokenizer.encode_chat(history))
-                    if len(ids) + stage.max_tokens <= profile.context:
-                        jobs.append((i, ids))
-                if not jobs:
-                    continue
-                sampling = Sampling(temperature=temperature if stage.sampled else 0.0, seed=seed,
-                                    max_tokens=stage.max_tokens)
-                seeds = [seed * 1_000_003 + i for i, _ in jobs] if stage.sampled else None
-                samples = generate_batch(model, [ids for _, ids in jobs], sampling,
-                                         min(top_k, model.config.vocab_size), eos, min(eos), seeds=seeds)
-                for (i, _), sample in zip(jobs, samples):
-                    if stage.user and sample.stop != "eos":
-                        continue  # a user turn the target never closed is no prompt
-                    text = tokenizer.decode(sample.reply).strip()
-                    if stage.user and len(text) < MIN_CHARS:
-                        continue
-                    texts[i][stage.name] = text
-                    if not stage.user:
-                        sample.id = item_id(kind, i, stage.name)
-                        writer.add(sample)
-                        n_tokens += len(sample.reply)
+            for item, stage, sample in _run_stages(model, tokenizer, profile, stages, items, temperature, seed,
+                                                   top_k):
+                sample.id = item_id(kind, item, stage)
+                writer.add(sample)
+                n_tokens += len(sample.reply)
             writer.flush()
             update(len(items), status=f"{n_tokens / (time.perf_counter() - started):.0f} tok/s")
     say(f"{len(todo)} {kind} items, {n_tokens} reply tokens in {time.perf_counter() - started:.0f}s -> {out}")
     return info
+
+
+def _run_stages(model, tokenizer, profile, stages: list[Stage], items: list[int], temperature: float, seed: int,
+                top_k: int):
+    """(item, stage name, sample) for every reply of `items`, each stage decoded as one batch."""
+    from specchat.loading import messages_for
+    from specchat.train.batched import generate_batch
+
+    eos = tokenizer.eos_ids
+    texts: dict[int, dict[str, str]] = {i: {} for i in items}
+    for stage in stages:
+        jobs = []
+        for i in items:
+            history = stage.ask(i, texts[i])
+            if history is None:
+                continue
+            history = messages_for(profile, history)
+            ids = user_turn_prefix(tokenizer, None, history) if stage.user else tokenizer.encode_chat(history)
+            if len(ids) + stage.max_tokens <= profile.context:
+                jobs.append((i, ids))
+        if not jobs:
+            continue
+        sampling = Sampling(temperature=temperature if stage.sampled else 0.0, seed=seed, max_tokens=stage.max_tokens)
+        seeds = [seed * 1_000_003 + i for i, _ in jobs] if stage.sampled else None
+        samples = generate_batch(model, [ids for _, ids in jobs], sampling, min(top_k, model.config.vocab_size),
+                                 eos, min(eos), seeds=seeds)
+        for (i, _), sample in zip(jobs, samples):
+            if stage.user and sample.stop != "eos":
+                continue  # a user turn the target never closed is no prompt
+            text = tokenizer.decode(sample.reply).strip()
+            if stage.user and len(text) < MIN_CHARS:
+                continue
+            texts[i][stage.name] = text
+            if not stage.user:
+                yield i, stage.name, sample
 
 
 def remake_command(info: dict, out: Path) -> str:
