@@ -8,9 +8,9 @@ from pathlib import Path
 from specchat.help_text import subcommand
 from specchat.profiles import get_profile
 from specchat.train import BATCH_DTYPES
-from specchat.train.tasks import KINDS
 from specchat.train.settings import (DFlashTrainConfig, DraftTrainConfig, Eagle3TrainConfig, MtpTrainConfig,
                                      add_training_flags, config_from_args)
+from specchat.train.tasks import KINDS
 
 
 def _say(msg: str) -> None:
