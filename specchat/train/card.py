@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specchat.train import generator_dtype
 from specchat.train.self_prompts import remake_command
 from specchat.train.store import INFO
 
@@ -62,7 +63,7 @@ def data_commands(profile, data: list[Path]) -> list[str]:
             gen += f" --limit {info['limit']}"
         generator = str(info.get("generator", ""))
         if generator.startswith("transformers"):  # "transformers DTYPE, batched"
-            gen += f" --batch {info.get('batch') or 48} --dtype {generator.split()[1].rstrip(',')}"
+            gen += f" --batch {info.get('batch') or 48} --dtype {generator_dtype(generator)}"
         commands.append(gen)
     return commands
 

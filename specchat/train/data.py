@@ -5,7 +5,6 @@ Resumable: prompts whose id is already in the manifest are skipped.
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -13,8 +12,9 @@ import torch
 
 from specchat.backends.base import BackendError, Sampling
 from specchat.prompts import PromptItem, load_prompts
+from specchat.train import batched_generator
 from specchat.train.progress import bar
-from specchat.train.store import INFO, Sample, ShardWriter, read_manifest
+from specchat.train.store import Sample, ShardWriter, read_manifest, write_settings
 from specchat.train.variants import derived_prompts, self_instruct_tasks
 
 def training_prompts(files: list[str], limit: int | None = None, instances: bool = False,
@@ -57,6 +57,13 @@ def _instance_prompts(path: Path) -> list[PromptItem]:
     return out
 
 
+def check_torch_target(profile) -> None:
+    """Training data is written by the target on the torch engine (or transformers' model of it)."""
+    if profile.backend != "torch":
+        raise BackendError(f"profile '{profile.name}' uses backend '{profile.backend}'; training data needs "
+                           "the torch engine (backend: torch)")
+
+
 def generate(engine, prompt: list[int], sampling: Sampling, top_k: int) -> Sample:
     """Decode with the target, keeping its top-k log-probabilities at every reply position.
 
@@ -89,9 +96,7 @@ def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128
     """batch > 1: replies come from transformers' model of the target (in `dtype`) in batches of
     that size (specchat/train/batched.py), several times the engine's one-at-a-time decoding."""
 
-    if profile.backend != "torch":
-        raise BackendError(f"profile '{profile.name}' uses backend '{profile.backend}'; training data needs "
-                           "the torch engine (backend: torch)")
+    check_torch_target(profile)
     prompts = training_prompts(prompt_files, limit, instances, variants)
     if not prompts:
         raise BackendError("no training prompts found in " + ", ".join(prompt_files))
@@ -99,16 +104,8 @@ def make_data(profile, prompt_files: list[str], out: Path, max_tokens: int = 128
     info = {"target": profile.name, "model": profile.model, "max_tokens": max_tokens, "top_k": top_k,
             "temperature": temperature, "seed": seed, "prompt_files": [str(f) for f in prompt_files],
             "instances": instances, "variants": variants, "limit": limit, "batch": batch,
-            "generator": "engine" if batch <= 1 else f"transformers {dtype}, batched"}
-    info_path = out / INFO
-    if info_path.exists():
-        old = json.loads(info_path.read_text())
-        old.setdefault("generator", "engine")
-        keep = ("target", "max_tokens", "top_k", "temperature", "seed", "generator")
-        if any(old.get(k) != info[k] for k in keep):
-            raise BackendError(f"{out}: holds data made with other settings "
-                               f"({ {k: old.get(k) for k in keep} }); use another --out")
-    info_path.write_text(json.dumps(info, indent=1))
+            "generator": "engine" if batch <= 1 else batched_generator(dtype)}
+    write_settings(out, info, ("target", "max_tokens", "top_k", "temperature", "seed", "generator"))
     done = {m["id"] for m in read_manifest(out)}
     todo = [p for p in prompts if p.id not in done]
     say(f"{len(prompts)} prompts, {len(prompts) - len(todo)} already in {out}, {len(todo)} to generate")

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from specchat.backends.base import BackendError
+
 MANIFEST = "manifest.jsonl"
 INFO = "info.json"
 
@@ -69,6 +71,19 @@ class ShardWriter:
             for line in lines:
                 f.write(json.dumps(line) + "\n")
         self.pending = []
+
+
+def write_settings(out: Path, info: dict, keep: tuple[str, ...]) -> None:
+    """Write `info` as the directory's info.json, refusing a directory whose data was made with
+    other values of the `keep` settings (a run resumes only what the same settings began)."""
+    path = out / INFO
+    if path.exists():
+        old = json.loads(path.read_text())
+        old.setdefault("generator", "engine")  # directories from before batched decoding
+        if any(old.get(k) != info.get(k) for k in keep):
+            raise BackendError(f"{out}: holds data made with other settings "
+                               f"({ {k: old.get(k) for k in keep} }); use another --out")
+    path.write_text(json.dumps(info, indent=1))
 
 
 def read_manifest(out: Path) -> list[dict]:

@@ -21,12 +21,12 @@ written together, so an interrupted run resumes at the first unwritten batch.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specchat.backends.base import BackendError, Sampling
+from specchat.train import batched_generator, generator_dtype
 from specchat.train.progress import bar
 from specchat.train.self_prompts import MIN_CHARS, user_turn_prefix
 
@@ -104,7 +104,8 @@ def _documents() -> list[Stage]:
                                            f"{t['write']}\n\nQuestion: {t['question']}")
               if t.get("question") and len(t["write"]) >= MIN_DOCUMENT_CHARS else None, 160),
         Stage("back", lambda i, t: _user(f"Translate the following {language(i)} text into English.\n\n"
-                                         f"{t['translate']}") if len(t.get("translate", "")) >= MIN_TRANSLATION_CHARS else None, 384),
+                                         f"{t['translate']}")
+              if len(t.get("translate", "")) >= MIN_TRANSLATION_CHARS else None, 384),
     ]
 
 
@@ -126,8 +127,8 @@ def _math() -> list[Stage]:
         Stage("problem", lambda i, t: _user(
             f"Write a math word problem for a school student about {_subject(i)}, with numbers, like this one: "
             f"\"{MATH_EXAMPLES[i % len(MATH_EXAMPLES)]}\" Write only the new problem."), 128, sampled=True),
-        Stage("solution", lambda i, t: _user(f"{t['problem']}\n\nSolve this step by step, then give the final "
-                                             "answer.") if len(t.get("problem", "")) >= MIN_PROBLEM_CHARS else None, 256),
+        Stage("solution", lambda i, t: _user(f"{t['problem']}\n\nSolve this step by step, then give the final answer.")
+              if len(t.get("problem", "")) >= MIN_PROBLEM_CHARS else None, 256),
     ]
 
 
@@ -157,13 +158,12 @@ def make_tasks(profile, kind: str, out: Path, count: int, top_k: int = 32, tempe
     """Run `count` items of `kind` through their stages into the data directory `out` (resumable).
     `max_tokens` caps every stage's reply length (each stage has its own, up to 384)."""
     from specchat.train.batched import batched_model
-    from specchat.train.store import INFO, ShardWriter, read_manifest
+    from specchat.train.data import check_torch_target
+    from specchat.train.store import ShardWriter, read_manifest, write_settings
 
     if kind not in PIPELINES:
         raise BackendError(f"--kind {kind}: one of {', '.join(KINDS)}")
-    if profile.backend != "torch":
-        raise BackendError(f"profile '{profile.name}' uses backend '{profile.backend}'; training data needs "
-                           "the torch engine (backend: torch)")
+    check_torch_target(profile)
     if count < 1 or batch < 1:
         raise BackendError("--count and --batch must be at least 1")
     stages = PIPELINES[kind]()
@@ -171,16 +171,11 @@ def make_tasks(profile, kind: str, out: Path, count: int, top_k: int = 32, tempe
         stages = [replace(s, max_tokens=min(s.max_tokens, max_tokens)) for s in stages]
     out.mkdir(parents=True, exist_ok=True)
     info = {"target": profile.name, "model": profile.model, "kind": kind, "count": count, "top_k": top_k,
-            "temperature": temperature, "seed": seed, "batch": batch, "generator": f"transformers {dtype}, batched",
+            "temperature": temperature, "seed": seed, "batch": batch, "generator": batched_generator(dtype),
             "max_tokens": max(s.max_tokens for s in stages), "max_tokens_cap": max_tokens, "prompt_files": [],
             "stages": {s.name: {"max_tokens": s.max_tokens, "sampled": s.sampled, "user_turn": s.user}
                        for s in stages}}
-    if (out / INFO).exists():
-        old = json.loads((out / INFO).read_text())
-        keep = ("target", "kind", "top_k", "temperature", "seed", "generator", "stages")
-        if any(old.get(k) != info[k] for k in keep):
-            raise BackendError(f"{out}: holds data made with other settings; use another --out")
-    (out / INFO).write_text(json.dumps(info, indent=1))
+    write_settings(out, info, ("target", "kind", "top_k", "temperature", "seed", "generator", "stages"))
     done = {m["id"].split("~")[0] for m in read_manifest(out)}
     todo = [i for i in range(count) if f"{kind}:{i}" not in done]
     say(f"{kind}: {count} items, {count - len(todo)} already in {out}, {len(todo)} to write")
@@ -240,7 +235,7 @@ def _run_stages(model, tokenizer, profile, stages: list[Stage], items: list[int]
 
 def remake_command(info: dict, out: Path) -> str:
     """The `specchat train tasks` command that makes the data directory `out` again (card.py)."""
-    dtype = info["generator"].split()[1].rstrip(",")
+    dtype = generator_dtype(info["generator"])
     return (f"specchat train tasks --target {info['target']} --kind {info['kind']} --count {info['count']} "
             f"--out {out} --top-k {info['top_k']} --temperature {info['temperature']} --seed {info['seed']} "
             f"--batch {info['batch']} --dtype {dtype}" +
