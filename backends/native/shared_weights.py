@@ -9,9 +9,10 @@ bit a plain target-only engine's.
 How: the model reads its cache from `model.cache`. Around each of the reference's passes, the
 tensors' storages (and lengths) of the model's cache and the reference's are exchanged (`.data`,
 O(layers), no copy) under a lock both runs take, so two threads (race mode) take turns pass by
-pass. Compiled and static-shape models keep their cache at fixed addresses inside their graphs,
-which an exchange would break: for those `SharedWeights` refuses (`shareable` says why) and the
-caller loads a reference of its own.
+pass. CPU compiled row graphs (exact_rows.CompiledRowGraphs) read the cache from the model on
+every call, like the eager path, so they are shared too. Static-shape models (CUDA graphs) keep
+their cache at fixed addresses inside their graphs, which an exchange would break: for those
+`SharedWeights` refuses (`unshareable_reason` says why) and the caller loads a reference of its own.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def unshareable_reason(engine: TorchBackend) -> Optional[str]:
     """Why a reference cannot run on this engine's weights (None: it can)."""
     if engine.model is None:
         return "the engine is closed"
-    if engine.model.compiled is not None or engine.model.static:
-        return "its compiled graphs hold their KV cache at fixed addresses"
+    if engine.model.static:
+        return "its static-shape graphs hold their KV cache at fixed addresses"
     return None
 
 

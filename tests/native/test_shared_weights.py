@@ -80,7 +80,7 @@ def test_both_runs_at_once_take_turns_pass_by_pass(tiny_dirs):
     assert results == {"spec": expected, "ref": expected}
 
 
-def test_compiled_or_static_engines_are_not_shared(tiny_dirs):
+def test_static_shape_engines_are_not_shared(tiny_dirs):
     base = engine(tiny_dirs["llama"])
     assert unshareable_reason(base) is None and SharedWeights(base).shares_weights and not base.shares_weights
     base.model.use_static_shapes()  # graphs over a fixed cache (CUDA): an exchange would break them

@@ -9,6 +9,7 @@ import torch
 
 from specchat.backends.base import Request, run_to_summary
 from specchat.backends.native.engine import TorchBackend
+from specchat.backends.native.shared_weights import SharedWeights
 from specchat.backends.speculative.backend import SpeculativeBackend
 from specchat.backends.speculative.dflash import DFlashDrafter, load_dflash
 from specchat.backends.speculative.drafters import DraftModelDrafter, NgramDrafter
@@ -69,6 +70,31 @@ def test_compiled_speculative_equals_compiled_target_only(compiled, tiny_pair, m
             assert out.token_ids == ref.token_ids and out.stop_reason == ref.stop_reason
             if method == "eager-self" and len(out.token_ids) > 3:  # its guesses are mostly right
                 assert out.passes < len(out.token_ids)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.8"])
+def test_a_reference_on_the_compiled_engines_weights_is_its_target_only(compiled, tiny_pair, sampling, tmp_path):
+    """The A/B and verify reference shares the compiled graphs and weights (shared_weights.py) with
+    a cache of its own: token for token a separately loaded compiled target-only engine, while a
+    speculative run on the same engine keeps its own cache, with no recompilation."""
+    target, eager, dflash = compiled
+    strict_or_skip(target)
+    spec = SpeculativeBackend(target, make("mtp+lookup", target, eager, dflash, tiny_pair), 3, strict=True)
+    reference = SharedWeights(target)
+    alone = TorchBackend(make_gguf(tmp_path / "same.gguf", tiny_pair[0], "Q4_1"), precision="int4", threads=2,
+                         context=256, compile=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for messages, other in zip(PROMPTS, PROMPTS[1:] + PROMPTS[:1]):
+            out = run_to_summary(spec.stream(Request(messages=messages), sampling))
+            cached, n = list(target.cached), target.cache_len
+            keys = [k[:, :, :n].clone() for k in target.model.cache.k]
+            ref_other = run_to_summary(fresh(reference).stream(Request(messages=other), sampling))
+            # another conversation on the reference left the speculative run's cache as it was
+            assert target.cached == cached and target.cache_len == n
+            assert all(torch.equal(k[:, :, :n], before) for k, before in zip(target.model.cache.k, keys))
+            assert ref_other.token_ids == run_to_summary(fresh(alone).stream(Request(messages=other), sampling)).token_ids
+            ref = run_to_summary(fresh(reference).stream(Request(messages=messages), sampling))
+            assert ref.token_ids == out.token_ids
 
 
 def test_compiled_decoding_stays_close_to_eager(compiled):
