@@ -1,8 +1,10 @@
 """What the engines ask of the CPU: how many threads to run, and whether it multiplies bfloat16 natively."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 
 import torch
 
@@ -47,3 +49,18 @@ def native_bfloat16() -> bool:
     emulates it and a bfloat16 GEMM is several times slower than float32."""
     flags = getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None)
     return any(f is not None and f() for f in flags)
+
+
+def cpu_tag() -> str:
+    """A short digest of this CPU's architecture and feature flags (what native code is built for:
+    llama-server's GGML_NATIVE build, the compiled decode graphs' kernels)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                    break
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()}|{flags}".encode()).hexdigest()[:10]

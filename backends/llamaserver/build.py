@@ -16,7 +16,6 @@ a cache copied to another machine builds afresh instead of crashing on an unknow
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..base import BackendError
+from ..cpu import cpu_tag
 
 PACKAGE = "llama-cpp-python"
 BINARY = "llama-server"
@@ -48,21 +48,6 @@ def binding_version() -> str:
     except importlib.metadata.PackageNotFoundError:
         raise BackendError(f"{PACKAGE} is not installed, and llama-server is built from its source: "
                            f"pip install {PACKAGE}") from None
-
-
-def cpu_tag() -> str:
-    """A short digest of this CPU's feature flags (what GGML_NATIVE compiles for)."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                break
-    except OSError:
-        pass
-    import platform
-
-    return hashlib.sha256(f"{platform.machine()}|{flags}".encode()).hexdigest()[:10]
 
 
 def build_dir(cache_dir: Path, version: Optional[str] = None) -> Path:

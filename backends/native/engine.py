@@ -19,6 +19,7 @@ from torch import Tensor
 from ..base import Backend, BackendError, Event, Request, Sampling, decode_stream
 from ..cpu import thread_count
 from . import sampling as sampler
+from .graph_store import GraphStore
 from .model import Transformer
 from .tokenizer import ChatTokenizer
 from .int4 import Int4Rows
@@ -122,33 +123,36 @@ class TorchBackend(Backend):
         # held by every pass: a reference run on these weights (shared_weights.py) takes turns with it
         self.turn = threading.RLock()
         if self.device.type == "cpu" and compile and self.precision in ROW_INVARIANT_PRECISIONS:
-            self.model.use_compiled_rows()
+            store = None if cache_dir is None else GraphStore(
+                cache_dir, path, dict(precision=self.precision, context=self._context, rollback=self.rollback,
+                                      attention=self.model.attention_mode))
+            self.model.use_compiled_rows(store)
             self.warm_up()
         elif (self.device.type == "cuda" or compile) and not self.model.cfg.hybrid:
             self.model.use_static_shapes(compile=compile)
         self.load_s = time.perf_counter() - started  # with the first start's compilation, if any
 
     def warm_up(self, hidden: bool = False) -> None:
-        """Compile now, not in the middle of the first reply: the one-row and the K-row graphs
-        (with every layer's output too when `hidden`, as DFlash's taps need). Leaves the cache empty.
-        Positions and row counts are chosen unequal so that dynamo ties no symbols together."""
+        """Make the compiled graphs ready now, not in the middle of the first reply: the one-row and
+        the K-row graphs (with every layer's output too when `hidden`, as DFlash's and EAGLE-3's
+        taps need), loaded from the graph store or compiled and saved there (graph_store.py).
+        Leaves the cache empty."""
         if self.model.compiled is None:
             return
         from .exact_rows import key_span
+        from .graph_store import Variant
         from .weights import progress
 
-        layers = (0,) if hidden else ()
-        label = "compiling decode graphs (minutes on a first start, then from torch's cache)"
+        variants = [Variant(True, hidden)]
+        # row-exact verify blocks, where they can be compiled (the example's rows 6..8 in one row group)
+        if self.row_exact_supported and key_span(7, self.model.max_len) == key_span(9, self.model.max_len):
+            variants.append(Variant(False, hidden))
+        label = "preparing decode graphs (minutes on a first start, then seconds)"
         try:
-            with progress(label, 2) as advance:
-                self.truncate(0)
-                self.forward([0] * 5, 0)
-                self.forward([0], 5, layers)
-                advance(1)
-                # row-exact verify blocks, where they can be compiled: rows 6..8 in one row group
-                if self.row_exact_supported and key_span(7, self.model.max_len) == key_span(9, self.model.max_len):
-                    self.forward([0] * 3, 6, layers, row_exact=True)
-                advance(1)
+            with progress(label, len(variants)) as advance:
+                for variant in variants:
+                    self.model.compiled.prepare(variant)
+                    advance(1)
         except Exception as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             fix = ("torch.compile on CPU needs a C++ compiler (g++); install one or set compile: false"

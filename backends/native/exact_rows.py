@@ -27,13 +27,19 @@ computes it. This module is what makes that true on CPU. Its terms, used everywh
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import re
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .graph_store import GraphStore, Variant
+
+log = logging.getLogger(__name__)
 
 # A single-token pass attends over the cache rounded up to a multiple of this: a verify block
 # whose rows straddle a multiple is computed in two groups (in compiled graphs, two calls that
@@ -191,19 +197,57 @@ def first_layer_guards(entries) -> list[bool]:
     return [_LATER_LAYER.search(e.name) is None for e in entries]
 
 
+def all_layers(model, x: Tensor, pos: int, n_keys: int, mask: Tensor, keep_hidden: bool
+               ) -> tuple[Tensor, dict[int, Tensor]]:
+    """The compiled function: every layer of `model` (a Transformer) for rows sharing one key span;
+    with keep_hidden, also every layer's output (one graph serves any choice of layers). A
+    function of the model, not a method of CompiledRowGraphs: a saved graph's guards pickle its
+    arguments, and the graphs object holds loaded graphs, which cannot be pickled."""
+    every = tuple(range(len(model.layers))) if keep_hidden else ()
+    group = RowGroup(0, x.shape[0], n_keys, mask)
+    return model.run_layers(x, slice(pos, pos + x.shape[0]), n_keys, None, every, [group])
+
+
+# cpp_wrapper: the graph's few hundred kernel calls are made from C++, not Python (a large share of
+# a small model's single-token pass; its first compile takes minutes)
+COMPILE_OPTIONS = {"cpp_wrapper": True}
+
+
+def saved_guards(entries) -> list[bool]:
+    """The guards a graph saved to disk keeps (graph_store.py): none on tensors, whose dispatch
+    keys and dynamo markings torch records in a form a loaded graph cannot match (their shapes stay
+    guarded through the symbolic-shape guards, and the store's key stands for the weights' shapes
+    and dtypes), none on global state or identities, which torch cannot save, and of the rest the
+    first layer's, as `first_layer_guards`."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaveable = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return [keep and not e.is_global and e.guard_type not in unsaveable and e.guard_type != "TENSOR_MATCH"
+            for keep, e in zip(first_layer_guards(entries), entries)]
+
+
 class CompiledRowGraphs:
     """Single-token passes and row-exact groups of `model` (a Transformer) through one
     torch.compile'd graph of all its layers, dynamic in the number of rows, the position and the
     key count: one call per row group. Each row gets the same bits from the K-row graph as from
-    the one-row graph (fused kernels reduce within a row)."""
+    the one-row graph (fused kernels reduce within a row).
 
-    def __init__(self, model):
+    `prepare` makes a graph ready before its first call: loaded from `store` (graph_store.py),
+    else compiled ahead of time and saved there; where that fails, or without a store, the
+    graph is compiled by torch.compile at its first call, as any other."""
+
+    def __init__(self, model, store: GraphStore | None = None):
         self.model = model
-        # cpp_wrapper: the graph's few hundred kernel calls are made from C++, not Python (a large
-        # share of a small model's single-token pass; its first compile takes minutes)
-        self.graph = torch.compile(self._all_layers, dynamic=True, fullgraph=True,
-                                   options={"cpp_wrapper": True, "guard_filter_fn": first_layer_guards})
+        self.store = store
+        self.ready: dict[Variant, Callable] = {}  # precompiled graphs, by variant
+        self.graph = torch.compile(all_layers, dynamic=True, fullgraph=True,
+                                   options=COMPILE_OPTIONS | {"guard_filter_fn": first_layer_guards})
         self.mark_static()
+
+    def __getstate__(self) -> dict:
+        """What a saved graph's guards pickle of this object (the model holds it): not the graphs,
+        which cannot be pickled."""
+        return {"model": self.model, "store": self.store, "ready": {}}
 
     def mark_static(self) -> None:
         """Weights, tables and caches never change shape: tell dynamo, so that only the number of
@@ -229,7 +273,7 @@ class CompiledRowGraphs:
             rows = x if len(groups) == 1 else x[lo:hi].clone()
             # the model width is no symbol: dynamo would tie it to an equal key count and specialize both
             torch._dynamo.mark_static(rows, 1)
-            out, every = self.graph(rows, start_pos + lo, n_keys, mask, bool(layers))  # every: {layer: output}
+            out, every = self._run(rows, start_pos + lo, n_keys, mask, bool(layers))  # every: {layer: output}
             xs.append(out)
             hiddens.append(every)
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
@@ -237,11 +281,60 @@ class CompiledRowGraphs:
             return x, {i: hiddens[0][i] for i in layers}
         return x, {i: torch.cat([h[i] for h in hiddens]) for i in layers}
 
-    def _all_layers(self, x: Tensor, pos: int, n_keys: int, mask: Tensor, keep_hidden: bool
-                    ) -> tuple[Tensor, dict[int, Tensor]]:
-        """All layers for rows sharing one key span (the compiled function); with keep_hidden, also
-        every layer's output (one graph serves any choice of layers)."""
+    def _run(self, rows: Tensor, pos: int, n_keys: int, mask: Tensor, keep_hidden: bool):
+        graph = self.ready.get(Variant(rows.shape[0] == 1, keep_hidden))
+        if graph is not None:
+            try:
+                return graph(self.model, rows, pos, n_keys, mask, keep_hidden)
+            except RuntimeError as e:  # checked before it runs: a shape its guards exclude (e.g. the
+                if "GuardManager check failed" not in str(e):  # whole cache as keys), for the graph below
+                    raise
+        # floats as constants, as in the saved graphs (which cannot restart to specialize them):
+        # the same graph either way, and no second trace
+        with torch._dynamo.config.patch(specialize_float=True):
+            return self.graph(self.model, rows, pos, n_keys, mask, keep_hidden)
+
+    # ---- making a graph ready before its first call ----
+
+    def example(self, variant: Variant) -> tuple[Tensor, int, int, Tensor, bool]:
+        """Inputs for one call of `variant` at fixed positions (unequal row count, position and key
+        count, so that dynamo ties no symbols together): rows of token ids 1.. embedded. Writes
+        the cache at those positions."""
         m = self.model
-        every = tuple(range(len(m.layers))) if keep_hidden else ()
-        group = RowGroup(0, x.shape[0], n_keys, mask)
-        return m.run_layers(x, slice(pos, pos + x.shape[0]), n_keys, None, every, [group])
+        K, pos = (1, 5) if variant.one_row else (3, 6)
+        lo, hi, n_keys, mask = row_groups(pos, K, m.max_len, m.device, m.cache_dtype,
+                                          (m.cfg.n_kv_heads, m.cfg.n_heads // m.cfg.n_kv_heads))[0]
+        rows = m.embed[torch.arange(1, K + 1, device=m.device)].float()
+        torch._dynamo.mark_static(rows, 1)
+        return rows, pos, n_keys, mask, variant.keep_hidden
+
+    @torch.inference_mode()
+    def prepare(self, variant: Variant) -> str:
+        """Make `variant` ready; says how: "loaded" (from the store), "compiled" (ahead of time,
+        then saved), or "compiled in process" (torch.compile, without a store or where saving
+        failed). Leaves the cache's entries at the example's positions overwritten."""
+        if variant in self.ready:
+            return "loaded"
+        check = lambda graph: graph(self.model, *self.example(variant))[0]  # noqa: E731
+        if self.store is not None:
+            graph = self.store.load(variant, check)
+            if graph is not None:
+                self.ready[variant] = graph
+                return "loaded"
+            try:
+                with torch._dynamo.config.patch(specialize_float=True):
+                    graph = torch.compile(all_layers, dynamic=True, fullgraph=True,
+                                          options=COMPILE_OPTIONS | {"guard_filter_fn": saved_guards}
+                                          ).aot_compile(((self.model,) + self.example(variant), {}))
+                fingerprint = check(graph)
+            except Exception:  # noqa: BLE001 - torch's precompiling is young: compile as usual instead
+                log.info("decode graph %s could not be compiled ahead of time; compiling in process", variant,
+                         exc_info=True)
+                self.store.remove(variant)
+            else:
+                self.ready[variant] = graph
+                with contextlib.suppress(OSError):  # unsaved, it still serves this process
+                    self.store.save(variant, graph, fingerprint)
+                return "compiled"
+        self._run(*self.example(variant))
+        return "compiled in process"

@@ -36,7 +36,11 @@ class Linear(nn.Module):
         self.int4 = int4
         self.pairwise = pairwise
         self.dense = dense
-        self.dense_dtype = dense_compute_dtype() if dense is not None else None
+
+    @property
+    def dense_dtype(self) -> torch.dtype | None:
+        # a property, not an attribute: see graph_store.py on what a module may hold
+        return dense_compute_dtype() if self.dense is not None else None
 
     def forward(self, x: Tensor, exact: bool = False) -> Tensor:
         """exact: each row as a single-token pass computes it (never the dense copy)."""

@@ -24,6 +24,7 @@ from . import sampling as sampler
 from .config import ModelConfig
 from .exact_rows import CompiledRowGraphs, RowGroup, attend_rows, probe_attention_mode, row_groups
 from .gated_delta import RecurrentDecoderLayer
+from .graph_store import GraphStore
 from .layers import Attend, DecoderLayer, RMSNorm, rope_inv_freq, rope_tables
 from .linear import Linear
 from .recurrent_state import RecurrentState
@@ -156,10 +157,10 @@ class Transformer(nn.Module):
         self.static = True
         self._static_pass = torch.compile(self.run_layers, mode="reduce-overhead") if compile else self.run_layers
 
-    def use_compiled_rows(self) -> None:
-        """CPU: single-token passes and row-exact blocks through compiled graphs (exact_rows.py);
-        prefill and non-exact verify blocks stay eager."""
-        self.compiled = CompiledRowGraphs(self)
+    def use_compiled_rows(self, store: GraphStore | None = None) -> None:
+        """CPU: single-token passes and row-exact blocks through compiled graphs (exact_rows.py),
+        kept in `store` between runs (graph_store.py); prefill and non-exact verify blocks stay eager."""
+        self.compiled = CompiledRowGraphs(self, store)
 
     def setup_cache(self, max_len: int) -> None:
         """(Re)allocate the KV cache for `max_len` positions and the RoPE tables to match."""
@@ -194,7 +195,11 @@ class Transformer(nn.Module):
         """Swap the LM head (a drafter's int4 copy: its logits only need to rank its guesses)."""
         self.head = head
         self.argmax_head = None
-        self.head_dtype = torch.float32 if head.pairwise else (torch.bfloat16 if head.int4 else self.dtype)
+
+    @property
+    def head_dtype(self) -> torch.dtype:
+        # a property, not an attribute: see graph_store.py on what a module may hold
+        return torch.float32 if self.head.pairwise else (torch.bfloat16 if self.head.int4 else self.dtype)
 
     @property
     def runs_int4(self) -> bool:

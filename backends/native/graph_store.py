@@ -1,0 +1,123 @@
+"""Compiled decode graphs kept on disk, so that a later start loads them in seconds instead of
+tracing and compiling the model again.
+
+torch's own on-disk caches keep the generated kernels, but every start still traces every layer
+with dynamo and rebuilds the AOTAutograd graph before it can look them up: most of a minute for
+SmolLM2-135M on 2 cores. torch's precompile API saves a traced graph with its guards and kernels
+(`torch.compile(...).aot_compile`, `save_compiled_function`) and loads it back without tracing
+(`torch.compiler.load_compiled_function`). Re-measure both: `python scripts/graph_store_times.py`.
+
+A stored graph is never trusted stale:
+- its directory is named by a digest of everything the graphs depend on (`store_key`): torch's
+  and Python's versions, the source of this engine, the CPU's flags, the model file (path, size,
+  modification time) and the settings that shape the graphs;
+- each graph is saved with a fingerprint, its output on a fixed input, and a loaded graph must
+  reproduce it bit for bit; one that fails to load or differs is removed and compiled again.
+
+What a traced module may hold: the saved guards pickle the module tree with tensors as metadata,
+and torch marks an attribute the graph never reads as missing by the object's identity. A
+`torch.dtype` is one shared object, so a module attribute holding float32 that the graph does
+not read would turn every float32 tensor of the saved guards into a missing value (it then fails
+to load). Such dtypes are properties in this engine (Transformer.head_dtype, Linear.dense_dtype).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from ..cpu import cpu_tag
+
+ENGINE_SOURCE = Path(__file__).parent
+
+
+class Variant(NamedTuple):
+    """One compiled graph: single-token passes or row-exact groups of several rows, with or
+    without every layer's output (the taps DFlash and EAGLE-3 read)."""
+    one_row: bool
+    keep_hidden: bool
+
+    @property
+    def file(self) -> str:
+        return f"{'one' if self.one_row else 'rows'}{'-hidden' if self.keep_hidden else ''}.pt2"
+
+
+def origin(model_path: Path, settings: dict) -> str:
+    """Which model and settings a store serves; `settings`: what shapes the graphs (precision,
+    context, attention mode, ...)."""
+    return f"{Path(model_path).resolve()}|{sorted(settings.items())}"
+
+
+def store_key(model_path: Path, settings: dict) -> str:
+    """Digest of everything the compiled graphs depend on."""
+    h = hashlib.sha256()
+    stat = Path(model_path).stat()
+    h.update(f"{origin(model_path, settings)}|{torch.__version__}|{sys.version}|{cpu_tag()}|{stat.st_size}|"
+             f"{stat.st_mtime_ns}".encode())
+    for source in sorted(ENGINE_SOURCE.glob("*.py")):
+        h.update(source.name.encode() + source.read_bytes())
+    return h.hexdigest()[:16]
+
+
+class GraphStore:
+    """The saved graphs of one (model, settings, torch, CPU, engine source) under `root`."""
+
+    def __init__(self, cache_dir: Path, model_path: Path, settings: dict):
+        self.origin = origin(model_path, settings)
+        self.root = Path(cache_dir) / "graphs" / store_key(model_path, settings)
+
+    def path(self, variant: Variant) -> Path:
+        return self.root / variant.file
+
+    def load(self, variant: Variant, check: Callable[[Callable], torch.Tensor]) -> Optional[Callable]:
+        """The saved graph if there is one and `check(graph)` reproduces its fingerprint bit for bit;
+        else None (and a stale or broken entry is removed)."""
+        path = self.path(variant)
+        if not path.exists():
+            return None
+        try:
+            with open(path, "rb") as f:
+                graph = torch.compiler.load_compiled_function(f)
+            expected = torch.load(path.with_suffix(".fingerprint"), weights_only=True)
+            if torch.equal(check(graph), expected):
+                return graph
+        except Exception:  # noqa: BLE001 - any failure means "compile it again", never a broken engine
+            pass
+        self.remove(variant)
+        return None
+
+    def save(self, variant: Variant, graph, fingerprint: torch.Tensor) -> None:
+        """Written to a temporary name and renamed, so that a concurrent or interrupted start
+        never reads half a graph."""
+        if not self.root.exists():
+            self.remove_stale()
+            self.root.mkdir(parents=True)
+            (self.root / "origin.txt").write_text(self.origin)
+        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+        os.close(fd)
+        try:
+            graph.save_compiled_function(tmp)
+            torch.save(fingerprint, tmp + ".fp")
+            os.replace(tmp + ".fp", self.path(variant).with_suffix(".fingerprint"))
+            os.replace(tmp, self.path(variant))
+        finally:
+            for leftover in (tmp, tmp + ".fp"):
+                if os.path.exists(leftover):
+                    os.remove(leftover)
+
+    def remove(self, variant: Variant) -> None:
+        for p in (self.path(variant), self.path(variant).with_suffix(".fingerprint")):
+            p.unlink(missing_ok=True)
+
+    def remove_stale(self) -> None:
+        """Other stores of the same model and settings: made by another torch, engine source or
+        model file, they can never be loaded again."""
+        for other in self.root.parent.glob("*/origin.txt"):
+            if other.parent != self.root and other.read_text() == self.origin:
+                shutil.rmtree(other.parent, ignore_errors=True)
