@@ -5,7 +5,8 @@ torch's own on-disk caches keep the generated kernels, but every start still tra
 with dynamo and rebuilds the AOTAutograd graph before it can look them up: most of a minute for
 SmolLM2-135M on 2 cores. torch's precompile API saves a traced graph with its guards and kernels
 (`torch.compile(...).aot_compile`, `save_compiled_function`) and loads it back without tracing
-(`torch.compiler.load_compiled_function`). Re-measure both: `python scripts/graph_store_times.py`.
+(`torch.compiler.load_compiled_function`). Re-measure: `time specchat run -p smollm2-fast "Say hello."`
+twice on a fresh cache (docs/results.md).
 
 A stored graph is never trusted stale:
 - its directory is named by a digest of everything the graphs depend on (`store_key`): torch's

@@ -157,6 +157,12 @@ class Transformer(nn.Module):
         self.static = True
         self._static_pass = torch.compile(self.run_layers, mode="reduce-overhead") if compile else self.run_layers
 
+    @property
+    def static_graphs(self) -> bool:
+        """Whether static-shape passes run through compiled graphs (CUDA graphs, over a cache at
+        fixed addresses) rather than eagerly."""
+        return self._static_pass != self.run_layers  # bound methods: equal, never identical
+
     def use_compiled_rows(self, store: GraphStore | None = None) -> None:
         """CPU: single-token passes and row-exact blocks through compiled graphs (exact_rows.py),
         kept in `store` between runs (graph_store.py); prefill and non-exact verify blocks stay eager."""

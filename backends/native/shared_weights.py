@@ -10,9 +10,10 @@ How: the model reads its cache from `model.cache`. Around each of the reference'
 tensors' storages (and lengths) of the model's cache and the reference's are exchanged (`.data`,
 O(layers), no copy) under a lock both runs take, so two threads (race mode) take turns pass by
 pass. CPU compiled row graphs (exact_rows.CompiledRowGraphs) read the cache from the model on
-every call, like the eager path, so they are shared too. Static-shape models (CUDA graphs) keep
-their cache at fixed addresses inside their graphs, which an exchange would break: for those
-`SharedWeights` refuses (`unshareable_reason` says why) and the caller loads a reference of its own.
+every call, like the eager path, and so do static-shape passes (the CUDA engine) run eagerly: both
+are shared. Static-shape passes compiled with CUDA graphs (`compile: true` on CUDA) keep the cache
+at fixed addresses inside their graphs, which an exchange would break: for those `SharedWeights`
+refuses (`unshareable_reason` says why) and the caller loads a reference of its own.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def unshareable_reason(engine: TorchBackend) -> Optional[str]:
     """Why a reference cannot run on this engine's weights (None: it can)."""
     if engine.model is None:
         return "the engine is closed"
-    if engine.model.static:
-        return "its static-shape graphs hold their KV cache at fixed addresses"
+    if engine.model.static and engine.model.static_graphs:
+        return "its CUDA graphs hold their KV cache at fixed addresses"
     return None
 
 

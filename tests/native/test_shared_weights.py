@@ -80,10 +80,23 @@ def test_both_runs_at_once_take_turns_pass_by_pass(tiny_dirs):
     assert results == {"spec": expected, "ref": expected}
 
 
-def test_static_shape_engines_are_not_shared(tiny_dirs):
+def test_static_shape_engines_are_shared_unless_compiled_into_cuda_graphs(tiny_dirs):
+    """The CUDA engine's static-shape passes read the cache like the eager path: shared, bit for bit
+    a fresh static-shape engine's. Compiled into CUDA graphs, the cache sits at fixed addresses."""
     base = engine(tiny_dirs["llama"])
     assert unshareable_reason(base) is None and SharedWeights(base).shares_weights and not base.shares_weights
-    base.model.use_static_shapes()  # graphs over a fixed cache (CUDA): an exchange would break them
+    fresh = engine(tiny_dirs["llama"])
+    for e in (base, fresh):
+        e.model.use_static_shapes()
+    run_to_summary(base.stream(Request(messages=CHAT), SAMPLINGS[0]))  # the engine's cache holds a conversation
+    shared = SharedWeights(base)
+    other = [{"role": "user", "content": "a conversation of its own"}]
+    for sampling in SAMPLINGS:
+        a = run_to_summary(fresh.stream(Request(messages=other), sampling))
+        fresh.truncate(0)
+        assert run_to_summary(shared.stream(Request(messages=other), sampling)).token_ids == a.token_ids
+        shared.truncate(0)
+    base.model.use_static_shapes(compile=True)  # graphs over a fixed cache (CUDA): an exchange would break them
     assert "fixed addresses" in unshareable_reason(base)
     with pytest.raises(ValueError, match="fixed addresses"):
         SharedWeights(base)
