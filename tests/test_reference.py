@@ -42,7 +42,7 @@ def test_other_arithmetic_or_a_backend_without_weights_loads_its_own(tiny_torch)
         return ScriptedBackend(["x"])
     load_reference(tiny_torch, spec, get_profile("tiny-bf16"), load)  # another dtype: other arithmetic
     load_reference(tiny_torch, ScriptedBackend(["x"]), tiny_torch.target_only(), load)  # no torch target
-    spec.target.model.use_static_shapes()  # graphs over a fixed cache
+    spec.target.model.use_static_shapes(compile=True)  # CUDA graphs over a fixed cache
     load_reference(tiny_torch, spec, tiny_torch.target_only(), load)
     assert loaded == ["tiny-bf16", "tiny-ngram:target-only", "tiny-ngram:target-only"]
 

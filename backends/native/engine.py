@@ -19,7 +19,7 @@ from torch import Tensor
 from ..base import Backend, BackendError, Event, Request, Sampling, decode_stream
 from ..cpu import thread_count
 from . import sampling as sampler
-from .graph_store import GraphStore
+from .graph_store import GraphStore, Variant
 from .model import Transformer
 from .tokenizer import ChatTokenizer
 from .int4 import Int4Rows
@@ -140,7 +140,6 @@ class TorchBackend(Backend):
         if self.model.compiled is None:
             return
         from .exact_rows import key_span
-        from .graph_store import Variant
         from .weights import progress
 
         variants = [Variant(True, hidden)]

@@ -289,8 +289,8 @@ class CompiledRowGraphs:
             except RuntimeError as e:  # checked before it runs: a shape its guards exclude (e.g. the
                 if "GuardManager check failed" not in str(e):  # whole cache as keys), for the graph below
                     raise
-        # floats as constants, as in the saved graphs (which cannot restart to specialize them):
-        # the same graph either way, and no second trace
+        # floats as constants, as the saved graphs must have them (they cannot restart tracing to
+        # specialize them); it also spares the in-process compile that second trace
         with torch._dynamo.config.patch(specialize_float=True):
             return self.graph(self.model, rows, pos, n_keys, mask, keep_hidden)
 
@@ -309,18 +309,18 @@ class CompiledRowGraphs:
         return rows, pos, n_keys, mask, variant.keep_hidden
 
     @torch.inference_mode()
-    def prepare(self, variant: Variant) -> str:
-        """Make `variant` ready; says how: "loaded" (from the store), "compiled" (ahead of time,
-        then saved), or "compiled in process" (torch.compile, without a store or where saving
-        failed). Leaves the cache's entries at the example's positions overwritten."""
+    def prepare(self, variant: Variant) -> None:
+        """Make `variant` ready: loaded from the store, else compiled ahead of time and saved
+        there, else (without a store, or where torch cannot precompile it) compiled in process.
+        Leaves the cache's entries at the example's positions overwritten."""
         if variant in self.ready:
-            return "loaded"
+            return
         check = lambda graph: graph(self.model, *self.example(variant))[0]  # noqa: E731
         if self.store is not None:
             graph = self.store.load(variant, check)
             if graph is not None:
                 self.ready[variant] = graph
-                return "loaded"
+                return
             try:
                 with torch._dynamo.config.patch(specialize_float=True):
                     graph = torch.compile(all_layers, dynamic=True, fullgraph=True,
@@ -335,6 +335,5 @@ class CompiledRowGraphs:
                 self.ready[variant] = graph
                 with contextlib.suppress(OSError):  # unsaved, it still serves this process
                     self.store.save(variant, graph, fingerprint)
-                return "compiled"
+                return
         self._run(*self.example(variant))
-        return "compiled in process"
