@@ -12,7 +12,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -246,6 +246,15 @@ class Backend(ABC):
             raise BackendError(
                 f"prompt is {n_prompt} tokens but the context holds {self.context_length}: "
                 f"shorten the conversation (new chat) or raise `context` in the profile")
+
+    def background_status(self) -> Optional[str]:
+        """A short line on faster passes being prepared in the background (None: none are)."""
+        return None
+
+    def switch_if_ready(self) -> Optional[str]:
+        """Between replies only: move to what was prepared in the background if it is ready.
+        Returns a line saying what changed (None: nothing did)."""
+        return None
 
     def close(self) -> None:
         """Release model memory."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -19,6 +20,7 @@ from torch import Tensor
 from ..base import Backend, BackendError, Event, Request, Sampling, decode_stream
 from ..cpu import thread_count
 from . import sampling as sampler
+from .background_graphs import BackgroundGraphs
 from .graph_store import GraphStore, Variant
 from .model import Transformer
 from .tokenizer import ChatTokenizer
@@ -79,13 +81,15 @@ class TorchBackend(Backend):
 
     def __init__(self, model_path: str | Path, kind: str = "auto", *, precision: str = "auto",
                  device: str = "auto", threads: int = 0, context: int = 2048, compile: bool = False,
-                 cache_dir: Path | None = None, rollback: str = "auto"):
+                 cache_dir: Path | None = None, rollback: str = "auto", compile_in_background: bool = False):
         """`kind`: gguf, hf_dir or auto (by the path); `precision`: one of PRECISIONS or auto;
         `threads`: 0 for every physical core; `context`: the KV cache's positions (at most the
         model's own limit); `compile`: torch.compile the decode passes; `cache_dir`: where files
         derived from a GGUF (its tokenizer, its tensor index) are kept between loads; `rollback`: how a
         hybrid model's recurrent state returns to an earlier position (snapshot, replay, or auto:
-        DEFAULT_ROLLBACK for the device)."""
+        DEFAULT_ROLLBACK for the device); `compile_in_background`: where compiled graphs are not
+        stored yet, answer on eager passes and prepare them in a background process, to be
+        switched to between replies (`switch_if_ready`; background_graphs.py)."""
         path = self.model_path = Path(model_path)
         # what a drafter model loaded beside this target is loaded with (speculative/backend.py)
         self.settings = dict(precision=precision, device=device, threads=threads, context=context,
@@ -94,6 +98,7 @@ class TorchBackend(Backend):
             raise BackendError(f"unknown rollback '{rollback}' (expected auto, {', '.join(ROLLBACK_MODES)})")
         if kind == "auto":
             kind = "gguf" if path.suffix.lower() == ".gguf" else "hf_dir"
+        self.kind = kind
         if precision not in PRECISIONS + ("auto",):
             raise BackendError(f"unknown precision '{precision}' (expected auto, {', '.join(PRECISIONS)})")
         if device == "auto":
@@ -122,30 +127,65 @@ class TorchBackend(Backend):
         self.cached: list[int] = []  # token ids whose keys/values are in the cache, in order
         # held by every pass: a reference run on these weights (shared_weights.py) takes turns with it
         self.turn = threading.RLock()
-        if self.device.type == "cpu" and compile and self.precision in ROW_INVARIANT_PRECISIONS:
-            store = None if cache_dir is None else GraphStore(
-                cache_dir, path, dict(precision=self.precision, context=self._context, rollback=self.rollback,
-                                      attention=self.model.attention_mode))
-            self.model.use_compiled_rows(store)
+        # CPU compiled row graphs: now, or (compile_in_background) once a background process stored them
+        self.compile_planned = self.device.type == "cpu" and compile and self.precision in ROW_INVARIANT_PRECISIONS
+        self.graph_store = None if cache_dir is None or not self.compile_planned else GraphStore(
+            cache_dir, path, dict(precision=self.precision, context=self._context, rollback=self.rollback,
+                                  attention=self.model.attention_mode))
+        self.in_background = compile_in_background and self.graph_store is not None
+        self.wanted: list[Variant] = []  # the graphs asked for so far (warm_up)
+        self.background: Optional[BackgroundGraphs] = None  # the process preparing them, if any
+        self.background_failure: Optional[str] = None
+        self.sharers = weakref.WeakSet()  # references on these weights (shared_weights.py)
+        if self.compile_planned:
+            if not self.in_background:
+                self.model.use_compiled_rows(self.graph_store)
             self.warm_up()
         elif (self.device.type == "cuda" or compile) and not self.model.cfg.hybrid:
             self.model.use_static_shapes(compile=compile)
         self.load_s = time.perf_counter() - started  # with the first start's compilation, if any
 
-    def warm_up(self, hidden: bool = False) -> None:
-        """Make the compiled graphs ready now, not in the middle of the first reply: the one-row and
-        the K-row graphs (with every layer's output too when `hidden`, as DFlash's and EAGLE-3's
-        taps need), loaded from the graph store or compiled and saved there (graph_store.py).
-        Leaves the cache empty."""
-        if self.model.compiled is None:
-            return
+    def graph_variants(self, hidden: bool = False) -> list[Variant]:
+        """The compiled graphs decoding needs: the one-row graph and, where verify blocks can be
+        compiled, the K-row graph; with every layer's output too when `hidden` (DFlash's and
+        EAGLE-3's taps)."""
         from .exact_rows import key_span
-        from .weights import progress
 
         variants = [Variant(True, hidden)]
         # row-exact verify blocks, where they can be compiled (the example's rows 6..8 in one row group)
         if self.row_exact_supported and key_span(7, self.model.max_len) == key_span(9, self.model.max_len):
             variants.append(Variant(False, hidden))
+        return variants
+
+    def warm_up(self, hidden: bool = False) -> None:
+        """Make the compiled graphs (`graph_variants`) ready now, not in the middle of the first
+        reply: loaded from the graph store or compiled and saved there (graph_store.py). With
+        `compile_in_background`, graphs not stored yet are left to a background process and the
+        engine decodes eagerly until `switch_if_ready`. Leaves the cache empty."""
+        if not self.compile_planned:
+            return
+        self.wanted += [v for v in self.graph_variants(hidden) if v not in self.wanted]
+        if self.in_background and not all(self.graph_store.path(v).exists() for v in self.wanted):
+            if self.model.compiled is not None:  # loaded before a drafter asked for more: eager until all are
+                self.model.compiled = None
+                self.truncate(0)
+            if self.background is None or not set(self.wanted) <= set(self.background.variants):
+                self.background = BackgroundGraphs(self.graph_store, self.wanted, self.background_settings())
+            return
+        if self.model.compiled is None:
+            self.model.use_compiled_rows(self.graph_store)
+        self._prepare_graphs(self.wanted)
+
+    def background_settings(self) -> dict:
+        """This engine's arguments, for the process that prepares its graphs."""
+        s = self.settings
+        return dict(model_path=str(self.model_path), kind=self.kind, precision=s["precision"], device="cpu",
+                    threads=s["threads"], context=s["context"], cache_dir=str(s["cache_dir"]),
+                    rollback=s["rollback"])
+
+    def _prepare_graphs(self, variants: list[Variant]) -> None:
+        from .weights import progress
+
         label = "preparing decode graphs (minutes on a first start, then seconds)"
         try:
             with progress(label, len(variants)) as advance:
@@ -160,6 +200,41 @@ class TorchBackend(Backend):
         finally:
             self.truncate(0)
 
+    def background_status(self) -> Optional[str]:
+        """A short line on graphs being prepared in the background (None: nothing is)."""
+        if self.background_failure:
+            return "eager passes (compiled graphs failed)"
+        if self.background is None:
+            return None
+        progress = self.background.progress()
+        if progress.failed:
+            return "eager passes (compiled graphs failed)"
+        if progress.ready:
+            return "compiled graphs ready: used from the next reply"
+        return f"eager passes; compiling decode graphs in the background ({progress.done}/{progress.total})"
+
+    def switch_if_ready(self) -> Optional[str]:
+        """Between replies: move to the compiled graphs if the background process has stored them
+        all. They compute other bits than the eager passes, so every cache computed on these
+        weights (this engine's and its references') starts again, and the next reply recomputes
+        the conversation once. Returns a line saying what changed, or None."""
+        if self.background is None:
+            return None
+        progress = self.background.progress()
+        if progress.failed:
+            self.background, self.background_failure = None, progress.failed
+            return f"compiled decode graphs failed, staying on eager passes: {progress.failed}"
+        if not progress.ready:
+            return None
+        with self.turn:
+            self.background = None
+            started = time.perf_counter()
+            self.model.use_compiled_rows(self.graph_store)
+            self._prepare_graphs(self.wanted)
+            for reference in list(self.sharers):
+                reference.truncate(0)
+        return f"switched to compiled decode graphs (loaded in {time.perf_counter() - started:.1f} s)"
+
     # ---- the pieces a speculative loop uses ----
 
     @property
@@ -171,7 +246,7 @@ class TorchBackend(Backend):
         """Whether forward(..., row_exact=True) reproduces single-token passes bit for bit here
         (with compiled graphs, only where this machine's attention kernel lets rows share a call)."""
         return (self.device.type == "cpu" and self.precision in ROW_INVARIANT_PRECISIONS and not self.model.static
-                and (self.model.attention_calls_shared or self.model.compiled is None))
+                and (self.model.attention_calls_shared or not self.compile_planned))
 
     @property
     def cache_len(self) -> int:

@@ -56,6 +56,7 @@ class SharedWeights(TorchBackend):
         m = engine.model
         self.own = KVCache(m.cfg, m.cache.max_len, m.cache_dtype, m.device, m.rollback, m.rollback_span)
         self.inside = False  # whether our keys and values are in model.cache right now
+        engine.sharers.add(self)  # its switch to compiled graphs starts our cache again too
 
     @contextlib.contextmanager
     def _own_cache(self):
@@ -89,6 +90,12 @@ class SharedWeights(TorchBackend):
 
     def warm_up(self, hidden: bool = False) -> None:
         """Nothing to compile: the weights are the engine's."""
+
+    def background_status(self) -> Optional[str]:
+        return None  # the engine's to say
+
+    def switch_if_ready(self) -> Optional[str]:
+        return None  # the engine switches, and starts this cache again
 
     @property
     def shares_weights(self) -> bool:

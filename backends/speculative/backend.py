@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 from ..base import Backend, BackendError, Event, Request, Sampling
 from ..native.engine import TorchBackend
@@ -59,7 +59,7 @@ class SpeculativeBackend(Backend):
         if strict is None:  # auto
             strict = target.row_exact_supported
         if strict and not target.row_exact_supported:
-            if target.model.compiled is not None and not target.model.attention_calls_shared:
+            if target.compile_planned and not target.model.attention_calls_shared:
                 raise BackendError("strict verification with compile: true needs an attention kernel that keeps a "
                                    "row's bits in shared calls, which this CPU's does not; set compile: false "
                                    "(strict, eager) or strict: false")
@@ -85,6 +85,14 @@ class SpeculativeBackend(Backend):
         prompt = self.checked_prompt(request)
         return speculative_stream(self.target, self.drafter, prompt, sampling, self.depth, self.acceptance, cancel,
                                   self.strict, DraftGate() if self.adaptive else None)
+
+    def background_status(self) -> Optional[str]:
+        return self.target.background_status()
+
+    def switch_if_ready(self) -> Optional[str]:
+        """The target's switch (between replies); the next reply's prefill starts from position 0, and
+        with it every drafter's state (speculative_stream)."""
+        return self.target.switch_if_ready()
 
     def close(self) -> None:
         self.drafter.close()
