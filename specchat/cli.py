@@ -92,7 +92,7 @@ def cmd_run(args) -> int:
     if not prompt.strip():
         raise UsageError("empty prompt: pass it as an argument or on stdin")
     profile = _overridden(get_profile(args.profile), args)
-    backend = load_backend(profile)
+    backend = load_backend(profile, background=True)
     request = Request(messages=messages_for(profile, [{"role": "user", "content": prompt}], args.system))
     cancel = threading.Event()
     summary: Optional[Summary] = None
@@ -110,6 +110,7 @@ def cmd_run(args) -> int:
                 sys.stdout.write("\n")
             _err(str(e))
             return EXIT_RUNTIME
+        background = backend.background_status()
     except KeyboardInterrupt:
         cancel.set()
         return 130
@@ -125,6 +126,8 @@ def cmd_run(args) -> int:
         sys.stdout.write("\n")
         if args.stats:
             print(stats_line(summary, stop=True), file=sys.stderr)
+    if background and "compiling" in background:  # the process outlives this one, for the next start
+        print(f"specchat: this reply ran on {background}; the next start uses them", file=sys.stderr)
     if summary.error:
         _err(summary.error)
         return EXIT_RUNTIME

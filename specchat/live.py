@@ -47,11 +47,15 @@ def draft_chars_of(backend: Backend, step: Step) -> int:
 
 
 def pump(backend: Backend, request: Request, sampling: Sampling, cancel: threading.Event,
-         out: "queue.Queue[Item]", tag: Any = None) -> Optional[Summary]:
-    """Run one stream to its end on the calling thread, putting every event on `out`.
+         out: "queue.Queue[Item]", tag: Any = None, gate: Optional[threading.Lock] = None) -> Optional[Summary]:
+    """Run one stream to its end on the calling thread, putting every event on `out`; it starts
+    once `gate` is free (held while the backend switches to what it prepared in the background).
 
     Always ends with exactly one Summary or Failed item for `tag`."""
     summary = None
+    if gate is not None:
+        with gate:
+            pass
     try:
         gen = backend.stream(request, sampling, cancel)
         try:

@@ -20,10 +20,13 @@ def sampling_of(profile: Profile) -> Sampling:
     return Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, max_tokens=s.max_tokens)
 
 
-def load_backend(profile: Profile, progress: Optional[Callable[[str], None]] = None) -> Backend:
+def load_backend(profile: Profile, progress: Optional[Callable[[str], None]] = None,
+                 background: bool = False) -> Backend:
     """Load the model a profile names. Raises BackendError (one line) for anything the user can fix,
     and before loading anything when the weights alone would not fit the device's free memory.
-    `progress`: where news of a long first-time step goes (building llama-server; default stderr)."""
+    `progress`: where news of a long first-time step goes (building llama-server; default stderr).
+    `background`: compiled graphs not stored yet are prepared by a background process while the
+    engine answers on eager passes (a chat); else they are ready before this returns (a measurement)."""
     from specchat.weight_memory import check_fits
 
     check_fits(profile)
@@ -34,8 +37,8 @@ def load_backend(profile: Profile, progress: Optional[Callable[[str], None]] = N
     if profile.backend == "llamaserver":
         return load_llamaserver(profile, progress)
     if profile.method != "none":
-        return load_speculative(profile)
-    return load_target(profile)
+        return load_speculative(profile, background)
+    return load_target(profile, compile_in_background=background)
 
 
 # What decides a torch target's arithmetic: two profiles equal in these run the same engine.
@@ -87,14 +90,14 @@ def speculative_settings(profile: Profile):
         strict=spec.strict, adaptive=spec.adaptive, mtp_hidden=spec.mtp_hidden)
 
 
-def load_speculative(profile: Profile):
+def load_speculative(profile: Profile, background: bool = False):
     from specchat.backends.speculative.backend import SpeculativeBackend, check_builtin_mtp
 
     settings = speculative_settings(profile)
     try:
         if settings.method == "mtp" and not profile.speculative.drafter:
             check_builtin_mtp(settings.drafter)  # before loading a big target for a head it cannot use
-        return SpeculativeBackend.load(load_target(profile), settings)
+        return SpeculativeBackend.load(load_target(profile, compile_in_background=background), settings)
     except BackendError as e:
         raise BackendError(f"profile '{profile.name}': {e}") from None
 

@@ -45,7 +45,7 @@ class Repl:
     def __init__(self, profile_name: str, *, loader: Optional[Callable[[Profile], Backend]] = None,
                  input=None, output=None, out: Optional[TextIO] = None, history: History | None | bool = True,
                  history_file: Optional[str] = None, lines: Optional[Iterator[str]] = None):
-        self.loader = loader or (lambda p: loading.load_backend(p))
+        self.loader = loader or (lambda p: loading.load_backend(p, background=True))
         self.out = out or sys.stdout
         self.profile: Optional[Profile] = None
         self.backend: Optional[Backend] = None
@@ -120,6 +120,9 @@ class Repl:
         self.last = self.last_request = None  # the previous profile's figures are not this one's
         self.conv.set_profile(profile.name)
         self.say(f"[{profile.name}: {profile.method_label} · {profile.model}]")
+        background = backend.background_status()
+        if background:
+            self.say(f"[{background}: switched to between replies]")
         return True
 
     def _drop_reference(self) -> None:
@@ -185,6 +188,9 @@ class Repl:
             return
         if note:
             self.say(f"[{note}]")
+        switched = self.backend.switch_if_ready()  # between replies: what was prepared in the background
+        if switched:
+            self.say(f"[{switched}]")
         summary, text = self.stream(self.backend, request)
         if summary is None and not text:  # it failed before a word: the turn does not stay
             self.conv.pop_user()

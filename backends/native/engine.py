@@ -230,9 +230,14 @@ class TorchBackend(Backend):
             self.background = None
             started = time.perf_counter()
             self.model.use_compiled_rows(self.graph_store)
-            self._prepare_graphs(self.wanted)
-            for reference in list(self.sharers):
-                reference.truncate(0)
+            try:
+                self._prepare_graphs(self.wanted)
+            except BackendError as e:
+                self.model.compiled, self.background_failure = None, str(e)
+                return f"compiled decode graphs failed, staying on eager passes: {e}"
+            finally:
+                for reference in list(self.sharers):
+                    reference.truncate(0)
         return f"switched to compiled decode graphs (loaded in {time.perf_counter() - started:.1f} s)"
 
     # ---- the pieces a speculative loop uses ----

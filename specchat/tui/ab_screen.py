@@ -172,10 +172,10 @@ class ABScreen(Screen):
         spec_b, ref_b = self.spec_backend, self.ref_backend
 
         def spec():
-            pump(fresh(spec_b), spec_req, sampling, cancel, q, (rid, "spec"))
+            pump(fresh(spec_b), spec_req, sampling, cancel, q, (rid, "spec"), self.app.between_replies)
 
         def ref():
-            pump(fresh(ref_b), ref_req, sampling, cancel, q, (rid, "ref"))
+            pump(fresh(ref_b), ref_req, sampling, cancel, q, (rid, "ref"), self.app.between_replies)
         self.requests = (spec_req, ref_req, sampling)
         if self.race:
             self.run_worker(spec, thread=True, group="ab", exit_on_error=False)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+import threading
 from functools import partial
 from typing import Callable, Iterable, Optional
 
@@ -66,6 +67,10 @@ class ProfileCommands(Provider):
                 yield Hit(score, matcher.highlight(title), partial(self.app.switch_profile, name), help=help_)
 
 
+# how often the chat looks at a background preparation (a file check; the status bar shows it)
+BACKGROUND_POLL_S = 2.0
+
+
 class SpecChatApp(App):
     CSS_PATH = "app.tcss"
     TITLE = "specchat"
@@ -76,10 +81,13 @@ class SpecChatApp(App):
                  start_ab: bool = False):
         super().__init__()
         self.initial_profile = profile_name
-        self.loader: BackendLoader = loader or (lambda p: loading.load_backend(p, progress=self._news))
+        self.loader: BackendLoader = loader or (lambda p: loading.load_backend(p, progress=self._news, background=True))
         self.profile: Optional[Profile] = None
         self.backend: Optional[Backend] = None
         self.loading: Optional[str] = None
+        # held while the backend moves to what it prepared in the background; replies start once it is free
+        self.between_replies = threading.Lock()
+        self.background_line: Optional[str] = None  # the backend's background_status, as last shown
         self.show_origin = False
         self.last_summary: Optional[Summary] = None
         self.start_ab = start_ab
@@ -104,6 +112,7 @@ class SpecChatApp(App):
         if self._history_error:
             self.notify(self._history_error, severity="warning", timeout=10)
         self.switch_profile(self.initial_profile, then_ab=self.start_ab)
+        self.set_interval(BACKGROUND_POLL_S, self._background_tick)
 
     def on_unmount(self) -> None:
         sys.setswitchinterval(self._switch_interval)
@@ -128,6 +137,51 @@ class SpecChatApp(App):
         for s in self.screen_stack:
             if hasattr(s, "refresh_status"):
                 s.refresh_status()
+
+    # ------------------------------------------------- preparation in the background
+    @property
+    def busy(self) -> bool:
+        """Whether a reply (chat or A/B) is running or a profile is loading."""
+        return bool(self.loading) or self.chat.generating or any(getattr(s, "running", False)
+                                                                 for s in self.screen_stack)
+
+    def _background_tick(self) -> None:
+        """Show how the backend's background preparation stands; once it is ready (or has failed),
+        let the backend switch while no reply runs. A reply asked for meanwhile waits for it."""
+        backend = self.backend
+        line = backend.background_status() if backend is not None else None
+        if line != self.background_line:
+            self.background_line = line
+            self._refresh_status()
+        if line is None or "compiling" in line or self.busy or line == self._told_failure:
+            return
+        if not self.between_replies.acquire(blocking=False):
+            return
+        self.loading = "compiled decode graphs" if "ready" in line else None
+        self._refresh_status()
+        self.run_worker(partial(self._switch_thread, backend, line), thread=True, group="switch",
+                        exit_on_error=False, name="switch to prepared passes")
+
+    _told_failure: Optional[str] = None
+
+    def _switch_thread(self, backend: Backend, line: str) -> None:
+        try:
+            said = backend.switch_if_ready()
+        except Exception as e:  # the backend stays as it was: say so, never take the app down
+            said = f"could not switch to compiled decode graphs: {one_line(e)}"
+        finally:
+            self.between_replies.release()
+        self.call_from_thread(self._switched, backend, line, said)
+
+    def _switched(self, backend: Backend, line: str, said: Optional[str]) -> None:
+        if "ready" in line:
+            self.loading = None
+        if "failed" in (said or line):
+            self._told_failure = backend.background_status()
+        if said:
+            self.notify(said, severity="warning" if "failed" in said or "could not" in said else "information",
+                        timeout=8)
+        self._background_tick()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)

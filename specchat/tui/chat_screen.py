@@ -121,6 +121,8 @@ class ChatScreen(Screen):
             return
         p = app.profile
         parts += [(p.name, "bold"), f" · {p.backend} · {p.method_label}"]
+        if app.background_line:
+            parts.append(f" · {app.background_line}")
         per_pass = None
         live = self.live
         if live is not None:
@@ -178,7 +180,7 @@ class ChatScreen(Screen):
         self.generating = True
         self._reply_profile = profile.name
         self.run_worker(partial(pump, backend, request, sampling_of(profile), self.cancel, self.events,
-                                self.generation),
+                                self.generation, app.between_replies),
                         thread=True, group="generate", exit_on_error=False, name="generate")
         self.budget.reset()
         self._timer.resume()
