@@ -111,6 +111,8 @@ def cmd_run(args) -> int:
             _err(str(e))
             return EXIT_RUNTIME
         background = backend.background_status()
+        if background and "unavailable" in background:
+            background = backend.switch_if_ready()  # why, in one line (said once)
     except KeyboardInterrupt:
         cancel.set()
         return 130
@@ -128,6 +130,8 @@ def cmd_run(args) -> int:
             print(stats_line(summary, stop=True), file=sys.stderr)
     if background and "compiling" in background:  # the process outlives this one, for the next start
         print(f"specchat: this reply ran on {background}; the next start uses them", file=sys.stderr)
+    elif background and "unavailable" in background:
+        print(f"specchat: {background}", file=sys.stderr)
     if summary.error:
         _err(summary.error)
         return EXIT_RUNTIME

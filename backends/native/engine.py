@@ -20,7 +20,7 @@ from torch import Tensor
 from ..base import Backend, BackendError, Event, Request, Sampling, decode_stream
 from ..cpu import thread_count
 from . import sampling as sampler
-from .background_graphs import BackgroundGraphs
+from .background_graphs import BackgroundGraphs, compile_unavailable, threads_beside
 from .graph_store import GraphStore, Variant
 from .model import Transformer
 from .tokenizer import ChatTokenizer
@@ -106,7 +106,8 @@ class TorchBackend(Backend):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise BackendError("device 'cuda' requested but this torch has no CUDA device; set device: cpu")
         self.device = torch.device(device)
-        torch.set_num_threads(thread_count(threads))
+        self.threads = thread_count(threads)
+        torch.set_num_threads(threads_beside(self.threads))
         started = time.perf_counter()
         ck = load_checkpoint(path, kind, keep_int4=precision in ("auto", "int4") and self.device.type == "cpu",
                              cache_dir=cache_dir)
@@ -135,7 +136,8 @@ class TorchBackend(Backend):
         self.in_background = compile_in_background and self.graph_store is not None
         self.wanted: list[Variant] = []  # the graphs asked for so far (warm_up)
         self.background: Optional[BackgroundGraphs] = None  # the process preparing them, if any
-        self.background_failure: Optional[str] = None
+        self.background_failure: Optional[str] = None  # why there are no compiled graphs (said once)
+        self.failure_said = False
         self.sharers = weakref.WeakSet()  # references on these weights (shared_weights.py)
         if self.compile_planned:
             if not self.in_background:
@@ -170,7 +172,10 @@ class TorchBackend(Backend):
                 self.model.compiled = None
                 self.truncate(0)
             if self.background is None or not set(self.wanted) <= set(self.background.variants):
-                self.background = BackgroundGraphs(self.graph_store, self.wanted, self.background_settings())
+                self.background_failure = compile_unavailable(self.graph_store)
+                if self.background_failure is None:
+                    self.background = BackgroundGraphs(self.graph_store, self.wanted, self.background_settings())
+                    torch.set_num_threads(threads_beside(self.threads))
             return
         if self.model.compiled is None:
             self.model.use_compiled_rows(self.graph_store)
@@ -203,12 +208,12 @@ class TorchBackend(Backend):
     def background_status(self) -> Optional[str]:
         """A short line on graphs being prepared in the background (None: nothing is)."""
         if self.background_failure:
-            return "eager passes (compiled graphs failed)"
+            return "eager passes (compiled graphs unavailable)"
         if self.background is None:
             return None
         progress = self.background.progress()
         if progress.failed:
-            return "eager passes (compiled graphs failed)"
+            return "eager passes (compiled graphs unavailable)"
         if progress.ready:
             return "compiled graphs ready: used from the next reply"
         return f"eager passes; compiling decode graphs in the background ({progress.done}/{progress.total})"
@@ -219,25 +224,31 @@ class TorchBackend(Backend):
         weights (this engine's and its references') starts again, and the next reply recomputes
         the conversation once. Returns a line saying what changed, or None."""
         if self.background is None:
+            if self.background_failure and not self.failure_said:
+                self.failure_said = True
+                return f"compiled decode graphs unavailable, staying on eager passes: {self.background_failure}"
             return None
         progress = self.background.progress()
-        if progress.failed:
-            self.background, self.background_failure = None, progress.failed
-            return f"compiled decode graphs failed, staying on eager passes: {progress.failed}"
-        if not progress.ready:
+        if not progress.ready and not progress.failed:
             return None
         with self.turn:
+            # every thread back, and every cache on these weights started again: the passes so far
+            # ran on fewer threads, and from here on they run on other arithmetic (or may)
             self.background = None
+            torch.set_num_threads(threads_beside(self.threads))
+            for reference in list(self.sharers):
+                reference.truncate(0)
+            self.truncate(0)
+            if progress.failed:
+                self.background_failure, self.failure_said = progress.failed, True
+                return f"compiled decode graphs unavailable, staying on eager passes: {progress.failed}"
             started = time.perf_counter()
             self.model.use_compiled_rows(self.graph_store)
             try:
                 self._prepare_graphs(self.wanted)
             except BackendError as e:
-                self.model.compiled, self.background_failure = None, str(e)
-                return f"compiled decode graphs failed, staying on eager passes: {e}"
-            finally:
-                for reference in list(self.sharers):
-                    reference.truncate(0)
+                self.model.compiled, self.background_failure, self.failure_said = None, str(e), True
+                return f"compiled decode graphs unavailable, staying on eager passes: {e}"
         return f"switched to compiled decode graphs (loaded in {time.perf_counter() - started:.1f} s)"
 
     # ---- the pieces a speculative loop uses ----

@@ -176,11 +176,11 @@ class SpecChatApp(App):
     def _switched(self, backend: Backend, line: str, said: Optional[str]) -> None:
         if "ready" in line:
             self.loading = None
-        if "failed" in (said or line):
+        if "unavailable" in (said or line):
             self._told_failure = backend.background_status()
         if said:
-            self.notify(said, severity="warning" if "failed" in said or "could not" in said else "information",
-                        timeout=8)
+            self.notify(said, severity="warning" if "unavailable" in said or "could not" in said else "information",
+                        timeout=12)
         self._background_tick()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from specchat.backends.base import Request, Sampling, run_to_summary
 from specchat.backends.native.background_graphs import side_file
@@ -38,6 +39,7 @@ def test_eager_replies_at_once_then_compiled_graphs_between_replies(model_copy):
     gguf, cache_dir = model_copy
     target = engine(gguf, cache_dir)
     assert target.model.compiled is None and target.background is not None
+    assert torch.get_num_threads() == 1  # a core left to the process preparing the graphs
     assert "compiling decode graphs in the background (0/" in target.background_status()
     spec = SpeculativeBackend(target, NgramDrafter(1, 3), 3, strict=True)
     reference = SharedWeights(target)
@@ -50,6 +52,7 @@ def test_eager_replies_at_once_then_compiled_graphs_between_replies(model_copy):
     assert target.cache_len > 0 and reference.cache_len > 0
     assert spec.switch_if_ready().startswith("switched to compiled decode graphs")
     assert target.model.compiled is not None and set(target.model.compiled.ready) == set(target.wanted)
+    assert torch.get_num_threads() == 2
     # the eager passes' keys and values are not the graphs' bits: every cache on these weights starts again
     assert target.cache_len == 0 and reference.cache_len == 0 and target.cached == [] == reference.cached
     assert spec.switch_if_ready() is None and target.background_status() is None
@@ -79,11 +82,31 @@ def test_a_failed_background_process_leaves_eager_passes_and_says_why(model_copy
     target = engine(gguf, cache_dir)
     before = reply(target)
     assert not target.background.wait(timeout=300).ready
-    assert target.background_status() == "eager passes (compiled graphs failed)"
+    assert target.background_status() == "eager passes (compiled graphs unavailable)"
     line = target.switch_if_ready()
-    assert line.startswith("compiled decode graphs failed, staying on eager passes: ")
+    assert line.startswith("compiled decode graphs unavailable, staying on eager passes: ")
     assert "Is a directory" in line and "(log: " in line and "\n" not in line
     assert target.model.compiled is None and target.switch_if_ready() is None
-    assert target.background_status() == "eager passes (compiled graphs failed)"
-    eager = TorchBackend(gguf, precision="int4", threads=2, context=128)
-    assert [before, reply(target)] == [reply(eager), reply(eager)]
+    # remembered: a later start stays eager at once and says why, once, without a new process
+    later = engine(gguf, cache_dir)
+    assert later.background is None and later.background_status() == "eager passes (compiled graphs unavailable)"
+    said = later.switch_if_ready()
+    assert "Is a directory" in said and f"delete {side_file(later.graph_store, '.failed')}" in said
+    assert later.switch_if_ready() is None
+    assert target.background_status() == "eager passes (compiled graphs unavailable)"
+    # its cache started again with all its threads back: the next reply is a first reply's
+    assert target.cache_len == 0 and torch.get_num_threads() == 2
+    assert reply(target) == before == reply(TorchBackend(gguf, precision="int4", threads=2, context=128))
+
+
+def test_without_a_cxx_compiler_the_engine_stays_eager_and_says_how_to_fix_it(model_copy, monkeypatch):
+    from torch._inductor import config
+
+    gguf, cache_dir = model_copy
+    monkeypatch.setattr(config.cpp, "cxx", (None, "no-such-compiler++"))
+    target = engine(gguf, cache_dir)
+    assert target.background is None and target.model.compiled is None
+    assert target.background_status() == "eager passes (compiled graphs unavailable)"
+    line = target.switch_if_ready()
+    assert "needs a C++ compiler (no-such-compiler++)" in line and "set compile: false" in line
+    assert len(reply(target)) > 5
