@@ -298,12 +298,17 @@ class CompiledRowGraphs:
 
     def example(self, variant: Variant) -> tuple[Tensor, int, int, Tensor, bool]:
         """Inputs for one call of `variant` at fixed positions (unequal row count, position and key
-        count, so that dynamo ties no symbols together): rows of token ids 1.. embedded. Writes
-        the cache at those positions."""
+        count, so that dynamo ties no symbols together): rows of token ids 1.. embedded. Zeroes
+        the cache's first keys and values, which the rows see (so that the output, a stored
+        graph's fingerprint, is the same in every process whatever ran before), and writes the
+        cache at the rows' positions."""
         m = self.model
         K, pos = (1, 5) if variant.one_row else (3, 6)
         lo, hi, n_keys, mask = row_groups(pos, K, m.max_len, m.device, m.cache_dtype,
                                           (m.cfg.n_kv_heads, m.cfg.n_heads // m.cfg.n_kv_heads))[0]
+        for cache in m.cache.k + m.cache.v:
+            if cache is not None:
+                cache[:, :, :n_keys].zero_()
         rows = m.embed[torch.arange(1, K + 1, device=m.device)].float()
         torch._dynamo.mark_static(rows, 1)
         return rows, pos, n_keys, mask, variant.keep_hidden

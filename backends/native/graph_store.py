@@ -24,6 +24,7 @@ to load). Such dtypes are properties in this engine (Transformer.head_dtype, Lin
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import sys
@@ -36,6 +37,7 @@ import torch
 from ..cpu import cpu_tag
 
 ENGINE_SOURCE = Path(__file__).parent
+log = logging.getLogger(__name__)
 
 
 class Variant(NamedTuple):
@@ -88,8 +90,9 @@ class GraphStore:
             expected = torch.load(path.with_suffix(".fingerprint"), weights_only=True)
             if torch.equal(check(graph), expected):
                 return graph
+            log.info("stored decode graph %s differs from its fingerprint; compiling it again", path)
         except Exception:  # noqa: BLE001 - any failure means "compile it again", never a broken engine
-            pass
+            log.info("stored decode graph %s does not load; compiling it again", path, exc_info=True)
         self.remove(variant)
         return None
 

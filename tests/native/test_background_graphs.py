@@ -50,7 +50,10 @@ def test_eager_replies_at_once_then_compiled_graphs_between_replies(model_copy):
     assert target.background.wait(timeout=900).ready
     assert target.background_status() == "compiled graphs ready: used from the next reply"
     assert target.cache_len > 0 and reference.cache_len > 0
+    stored = {f: f.stat().st_mtime_ns for f in target.graph_store.root.iterdir()}
     assert spec.switch_if_ready().startswith("switched to compiled decode graphs")
+    # loaded as stored, not compiled again (their check must not depend on what the cache held)
+    assert {f: f.stat().st_mtime_ns for f in target.graph_store.root.iterdir()} == stored
     assert target.model.compiled is not None and set(target.model.compiled.ready) == set(target.wanted)
     assert torch.get_num_threads() == 2
     # the eager passes' keys and values are not the graphs' bits: every cache on these weights starts again
