@@ -31,7 +31,7 @@ error (one line saying what to fix)"""
 EPILOGS = {
     "chat": """\
 examples:
-  specchat                          the chat on the default profile (smollm2)
+  specchat                          the chat on the default (smollm2-fast)
   specchat chat -p smollm2-ngram    the chat with prompt-lookup drafting
 keys: Enter send · Esc stop · F2 profile · F3 A/B view · Ctrl+T token colours""",
     "ab": """\

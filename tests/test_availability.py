@@ -183,7 +183,7 @@ def test_profiles_at_80_columns_grouped_with_reasons(machine, monkeypatch, capsy
     assert max(cell_len(line) for line in lines) <= 80
     headings = [line for line in lines if line in GROUPS.values()]
     assert headings == ["needs a download", "needs a GPU", "needs a server", "broken"]
-    assert any(line.startswith("  smollm2 *") for line in lines)  # the default, marked
+    assert any(line.startswith("  smollm2-fast *") for line in lines)  # the default, marked
     row = lines.index(next(line for line in lines if line.startswith("  down ")))
     assert lines[row + 1].strip().startswith("not answering at 127.0.0.1:")
     assert "specchat pull smollm2-135m-instruct" in out

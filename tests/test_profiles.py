@@ -174,3 +174,10 @@ def test_broken_llamaserver_profiles_are_one_line(user_dir, text, message):
 def test_llama_server_section_is_only_for_its_backend(user_dir):
     write(user_dir, "bad", "extends: smollm2\nllama_server: {args: []}\n")
     assert "only for backend 'llamaserver'" in load_profiles().errors["bad"]
+
+
+def test_the_default_is_the_fast_lossless_profile_and_smollm2_the_target_only_reference():
+    ps = load_profiles()
+    default, reference = ps.get(DEFAULT_PROFILE), ps.get("smollm2")
+    assert default.compile and default.method == "ngram" and default.speculative.strict is not False
+    assert default.model == reference.model and reference.method == "none" and not reference.compile
