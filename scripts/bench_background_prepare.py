@@ -3,7 +3,7 @@ preparation and the switch take, and the speed after it.
 
 One engine of the profile's target (target-only, greedy) with `compile_in_background`, on a
 fresh graph store (a temporary cache directory), answers chat prompts in turns:
-  1. before: a second engine without compile answers with no preparation running;
+  1. before: a second engine without compile answers, no preparation running (all threads);
   2. during: the chat engine answers on eager passes while the background process prepares;
   3. after: once the graphs are stored, the chat engine switches (timed) and answers compiled;
 the eager engine answers again at the end, so that machine drift shows. Prints one line per
@@ -46,12 +46,12 @@ def main() -> None:
         return s.decode_tok_s
 
     eager = TorchBackend(path, kind, **settings)
-    started = time.perf_counter()
-    chat = TorchBackend(path, kind, **settings, compile=True, compile_in_background=True)
-    print(f"chat engine loaded in {time.perf_counter() - started:.1f} s, graphs: {chat.background_status()}")
     rates: dict[str, list[float]] = {"before": [], "during": [], "after": [], "eager again": []}
     for item in prompts[:4]:
         rates["before"].append(answer(eager, item))
+    started = time.perf_counter()
+    chat = TorchBackend(path, kind, **settings, compile=True, compile_in_background=True)
+    print(f"chat engine loaded in {time.perf_counter() - started:.1f} s, graphs: {chat.background_status()}")
     i = 0
     while chat.background is not None and not chat.background.progress().ready:
         if chat.background.progress().failed:
