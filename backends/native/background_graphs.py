@@ -3,8 +3,9 @@ passes; the engine moves to them between replies (`TorchBackend.switch_if_ready`
 
 A process, not a thread: preparing is minutes of Python (dynamo tracing) and C++ builds, which
 in a thread would hold the interpreter against the decode loop. The process runs at the lowest
-CPU priority with one compile worker, so a reply on a 2-core machine keeps most of its speed
-(re-measure: scripts/bench_background_prepare.py; docs/results.md). It loads the model, fills the
+CPU priority with one compile worker, and the engine's passes leave it a core meanwhile
+(`threads_beside`), so that a chat keeps most of its speed (re-measure:
+scripts/bench_background_prepare.py; docs/results.md). It loads the model, fills the
 graph store (graph_store.py) as `compile: true` would at load, and exits. It outlives the command
 that started it, so a one-shot `specchat run` still leaves the store filled for the next start.
 One process per store works at a time (a lock file); a second waits for the first and then finds
@@ -126,6 +127,7 @@ def prepare(job: dict) -> Optional[str]:
     from .engine import TorchBackend
 
     hidden, store = job.pop("hidden"), Path(job.pop("store"))
+    job["cache_dir"] = Path(job["cache_dir"])
     try:
         with open(job.pop("lock"), "a") as lock:
             with contextlib.suppress(ImportError):
@@ -151,9 +153,8 @@ def prepare(job: dict) -> Optional[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     job = json.loads((argv or sys.argv[1:])[0])
-    # The lowest priority, where the OS has it: SCHED_IDLE (Linux) gives the CPU up the moment a
-    # chat's thread wakes. Nice 19 alone is not enough: the chat's passes are hundreds of short
-    # parallel regions, each of whose thread wake-ups waited for the compiling process's time slice.
+    # The lowest priority the OS offers (SCHED_IDLE on Linux, else nice 19), so that compiling yields
+    # to anything else; priority alone did not keep the chat's speed (see threads_beside)
     with contextlib.suppress(AttributeError, OSError):
         os.nice(19)
     with contextlib.suppress(AttributeError, OSError):
