@@ -122,7 +122,7 @@ class Repl:
         self.say(f"[{profile.name}: {profile.method_label} · {profile.model}]")
         background = backend.background_status()
         if background:
-            self.say(f"[{background}: switched to between replies]")
+            self.say(f"[{background}; moved to between replies]")
         return True
 
     def _drop_reference(self) -> None:
