@@ -81,13 +81,15 @@ class SpecChatApp(App):
                  start_ab: bool = False):
         super().__init__()
         self.initial_profile = profile_name
-        self.loader: BackendLoader = loader or (lambda p: loading.load_backend(p, progress=self._news, background=True))
+        self.loader: BackendLoader = loader or (lambda p: loading.load_backend(p, progress=self._news,
+                                                                               background=True))
         self.profile: Optional[Profile] = None
         self.backend: Optional[Backend] = None
         self.loading: Optional[str] = None
         # held while the backend moves to what it prepared in the background; replies start once it is free
         self.between_replies = threading.Lock()
         self.background_line: Optional[str] = None  # the backend's background_status, as last shown
+        self._told_failure: Optional[str] = None  # the status line whose failure was already said
         self.show_origin = False
         self.last_summary: Optional[Summary] = None
         self.start_ab = start_ab
@@ -161,8 +163,6 @@ class SpecChatApp(App):
         self._refresh_status()
         self.run_worker(partial(self._switch_thread, backend, line), thread=True, group="switch",
                         exit_on_error=False, name="switch to prepared passes")
-
-    _told_failure: Optional[str] = None
 
     def _switch_thread(self, backend: Backend, line: str) -> None:
         try:
