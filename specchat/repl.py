@@ -46,6 +46,8 @@ class Repl:
                  input=None, output=None, out: Optional[TextIO] = None, history: History | None | bool = True,
                  history_file: Optional[str] = None, lines: Optional[Iterator[str]] = None):
         self.loader = loader or (lambda p: loading.load_backend(p, background=True))
+        # a reference of its own never prepares in the background: only the chat's backend switches
+        self.reference_loader = loader or loading.load_backend
         self.out = out or sys.stdout
         self.profile: Optional[Profile] = None
         self.backend: Optional[Backend] = None
@@ -134,7 +136,8 @@ class Repl:
         if self.ref_backend is None:
             ref = self.profile.target_only()
             try:
-                self.ref_backend = loading.load_reference(self.profile, self.backend, ref, self.loader)
+                self.ref_backend = loading.load_reference(self.profile, self.backend, ref,
+                                                         self.reference_loader)
             except (BackendError, ProfileError) as e:
                 self.say(f"error: reference failed to load: {e}")
                 return None

@@ -101,7 +101,7 @@ class ABScreen(Screen):
     def _load_reference(self) -> None:
         try:
             ref = load_profiles().get(self.reference_name) if self.reference_name else self.spec_profile.target_only()
-            backend = load_reference(self.spec_profile, self.spec_backend, ref, self.app.loader)
+            backend = load_reference(self.spec_profile, self.spec_backend, ref, self.app.reference_loader)
         except (ProfileError, BackendError) as e:
             self.app.call_from_thread(self._ref_loaded, None, None, str(e))
             return

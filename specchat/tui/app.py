@@ -83,6 +83,8 @@ class SpecChatApp(App):
         self.initial_profile = profile_name
         self.loader: BackendLoader = loader or (lambda p: loading.load_backend(p, progress=self._news,
                                                                                background=True))
+        # a reference of its own never prepares in the background: only the chat's backend switches
+        self.reference_loader: BackendLoader = loader or (lambda p: loading.load_backend(p, progress=self._news))
         self.profile: Optional[Profile] = None
         self.backend: Optional[Backend] = None
         self.loading: Optional[str] = None
