@@ -13,7 +13,7 @@ from typing import Optional
 
 from specchat import help_text
 from specchat.backends.base import BackendError, Request, Summary
-from specchat.live import stats_line
+from specchat.live import background_note, stats_line
 from specchat.profiles import DEFAULT_PROFILE, ProfileError, get_profile, load_profiles
 from specchat.train.cli import add_train_parser
 
@@ -85,7 +85,6 @@ def _run_line(label: str, r) -> str:
 
 def cmd_run(args) -> int:
     from specchat.loading import load_backend, messages_for, sampling_of
-
     from specchat.stdin_text import StdinText
 
     prompt = args.prompt if args.prompt is not None else StdinText().read()
@@ -110,9 +109,7 @@ def cmd_run(args) -> int:
                 sys.stdout.write("\n")
             _err(str(e))
             return EXIT_RUNTIME
-        background = backend.background_status()
-        if background and "unavailable" in background:
-            background = backend.switch_if_ready()  # why, in one line (said once)
+        note = background_note(backend)
     except KeyboardInterrupt:
         cancel.set()
         return 130
@@ -128,10 +125,8 @@ def cmd_run(args) -> int:
         sys.stdout.write("\n")
         if args.stats:
             print(stats_line(summary, stop=True), file=sys.stderr)
-    if background and "compiling" in background:  # the process outlives this one, for the next start
-        print(f"specchat: this reply ran on {background}; the next start uses them", file=sys.stderr)
-    elif background and "unavailable" in background:
-        print(f"specchat: {background}", file=sys.stderr)
+    if note:
+        print(f"specchat: {note}", file=sys.stderr)
     if summary.error:
         _err(summary.error)
         return EXIT_RUNTIME

@@ -75,6 +75,17 @@ def pump(backend: Backend, request: Request, sampling: Sampling, cancel: threadi
     return summary
 
 
+def background_note(backend: Backend) -> Optional[str]:
+    """What a one-shot command says, as it ends, of faster passes its backend prepares in the
+    background (None: nothing to say)."""
+    line = backend.background_status() or ""
+    if "unavailable" in line:
+        return backend.switch_if_ready()  # why, in one line
+    if "compiling" in line:  # the process outlives the command
+        return f"this reply ran on {line}; the next start uses them"
+    return None
+
+
 def start_thread(target: Callable[[], Any], name: str) -> threading.Thread:
     t = threading.Thread(target=target, name=name, daemon=True)
     t.start()

@@ -19,7 +19,7 @@ def hybrid_dir(tmp_path_factory):
 def test_run_streams_what_transformers_generates(hybrid_dir, isolated_dirs, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert cli.main(["run", "--set", f"model={hybrid_dir}", "--set", "dtype=float32", "--json",
+    assert cli.main(["run", "-p", "smollm2", "--set", f"model={hybrid_dir}", "--set", "dtype=float32", "--json",
                      "--max-tokens", "24", "the quick brown fox"]) == 0
     out = json.loads(capsys.readouterr().out)
     tok = AutoTokenizer.from_pretrained(str(hybrid_dir))

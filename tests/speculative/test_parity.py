@@ -134,7 +134,7 @@ def test_strict_refuses_compiled_graphs_where_rows_cannot_share_attention(tiny_p
 
     target = engine(tiny_pair[0], "bfloat16")
     target.model.attention_mode = "separate"
-    target.model.compiled = lambda *args: None  # as use_compiled_rows leaves it, without compiling
+    target.compile_planned = True  # as compile: true plans it, without compiling
     assert not target.row_exact_supported
     with pytest.raises(BackendError, match="compile: true needs an attention kernel"):
         SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=True)
