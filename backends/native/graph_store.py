@@ -125,3 +125,5 @@ class GraphStore:
         for other in self.root.parent.glob("*/origin.txt"):
             if other.parent != self.root and other.read_text() == self.origin:
                 shutil.rmtree(other.parent, ignore_errors=True)
+                for beside in other.parent.parent.glob(f"{other.parent.name}.*"):  # its lock, log, ...
+                    beside.unlink(missing_ok=True)
