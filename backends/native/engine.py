@@ -116,9 +116,13 @@ class TorchBackend(Backend):
             raise BackendError("precision int4 runs on CPU only; use bfloat16 on CUDA")
         dtype = torch.bfloat16 if self.precision == "int4" else getattr(torch, self.precision)
         self._context = min(context, ck.cfg.max_position) if ck.cfg.max_position else context
+        no_graphs = None  # why compile: true cannot be had
         if ck.cfg.hybrid and compile:
-            raise BackendError(f"{path.name} is a hybrid (linear-attention) model, whose compiled decode graphs "
-                               "specchat does not build yet; set compile: false")
+            no_graphs = (f"{path.name} is a hybrid (linear-attention) model, whose compiled decode graphs "
+                         "specchat does not build yet; set compile: false")
+            if not compile_in_background:
+                raise BackendError(no_graphs)
+            compile = False  # a chat answers on eager passes and says why, as without a compiler
         self.rollback = DEFAULT_ROLLBACK[self.device.type] if rollback == "auto" else rollback
         self.model: Transformer = build_model(ck, dtype, self._context, int4=self.precision == "int4",
                                               device=self.device, rollback=self.rollback)
@@ -136,7 +140,7 @@ class TorchBackend(Backend):
         self.in_background = compile_in_background and self.graph_store is not None
         self.wanted: list[Variant] = []  # the graphs asked for so far (warm_up)
         self.background: Optional[BackgroundGraphs] = None  # the process preparing them, if any
-        self.background_failure: Optional[str] = None  # why there are no compiled graphs (said once)
+        self.background_failure: Optional[str] = no_graphs  # why there are no compiled graphs (said once)
         self.failure_said = False
         self.sharers = weakref.WeakSet()  # references on these weights (shared_weights.py)
         if self.compile_planned:
