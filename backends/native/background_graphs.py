@@ -54,7 +54,7 @@ def threads_beside(threads: int) -> int:
     """How many threads this process's passes should use while a background preparation it
     started runs: one core left to it. Passes whose threads share a core with it ran ~10x slower
     on 2 cores, even at its lowest priority (each parallel region waits for the thread the OS gave
-    away); with one thread fewer, ~0.55x (re-measure: scripts/bench_background_prepare.py)."""
+    away); with one thread fewer, 0.66x (re-measure: scripts/bench_background_prepare.py)."""
     alive = any(b.process.poll() is None for b in list(_RUNNING))
     return max(1, threads - 1) if alive else threads
 

@@ -211,13 +211,11 @@ class TorchBackend(Backend):
 
     def background_status(self) -> Optional[str]:
         """A short line on graphs being prepared in the background (None: nothing is)."""
-        if self.background_failure:
+        progress = self.background.progress() if self.background is not None else None
+        if self.background_failure or (progress and progress.failed):
             return "eager passes (compiled graphs unavailable)"
-        if self.background is None:
+        if progress is None:
             return None
-        progress = self.background.progress()
-        if progress.failed:
-            return "eager passes (compiled graphs unavailable)"
         if progress.ready:
             return "compiled graphs ready: used from the next reply"
         return f"eager passes; compiling decode graphs in the background ({progress.done}/{progress.total})"
@@ -229,8 +227,7 @@ class TorchBackend(Backend):
         the conversation once. Returns a line saying what changed, or None."""
         if self.background is None:
             if self.background_failure and not self.failure_said:
-                self.failure_said = True
-                return f"compiled decode graphs unavailable, staying on eager passes: {self.background_failure}"
+                return self._stay_eager(self.background_failure)
             return None
         progress = self.background.progress()
         if not progress.ready and not progress.failed:
@@ -244,16 +241,20 @@ class TorchBackend(Backend):
                 reference.truncate(0)
             self.truncate(0)
             if progress.failed:
-                self.background_failure, self.failure_said = progress.failed, True
-                return f"compiled decode graphs unavailable, staying on eager passes: {progress.failed}"
+                return self._stay_eager(progress.failed)
             started = time.perf_counter()
             self.model.use_compiled_rows(self.graph_store)
             try:
                 self._prepare_graphs(self.wanted)
             except BackendError as e:
-                self.model.compiled, self.background_failure, self.failure_said = None, str(e), True
-                return f"compiled decode graphs unavailable, staying on eager passes: {e}"
+                self.model.compiled = None
+                return self._stay_eager(str(e))
         return f"switched to compiled decode graphs (loaded in {time.perf_counter() - started:.1f} s)"
+
+    def _stay_eager(self, why: str) -> str:
+        """Keep why there are no compiled graphs (background_status shows it) and say it, once."""
+        self.background_failure, self.failure_said = why, True
+        return f"compiled decode graphs unavailable, staying on eager passes: {why}"
 
     # ---- the pieces a speculative loop uses ----
 
