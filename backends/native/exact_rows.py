@@ -27,7 +27,6 @@ computes it. This module is what makes that true on CPU. Its terms, used everywh
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import re
@@ -37,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .exported_graph import ExportedGraph, export_graph
 from .graph_store import GraphStore, Variant
 
 log = logging.getLogger(__name__)
@@ -108,8 +108,9 @@ def _query_block(rows: int) -> int:
 def _rows_to_pad(rows: int) -> int:
     """Zero query rows to add so that no query block of the call has fewer than _MIN_QUERY_ROWS:
     with a multiple of 4 rows every block (32, 64 or 256 rows) and so the last has 0 or 4+.
-    1 to 4, never 0: a compiled graph would guard on a size that may be 0."""
-    return (-rows - 1) % _MIN_QUERY_ROWS + 1
+    2 to 5, never 0 or 1: a compiled graph would guard on a size that may be 0 or 1 (and an
+    exported graph, which cannot guard, would not be exported)."""
+    return (-rows - 2) % _MIN_QUERY_ROWS + 2
 
 
 def attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: Tensor,
@@ -200,9 +201,7 @@ def first_layer_guards(entries) -> list[bool]:
 def all_layers(model, x: Tensor, pos: int, n_keys: int, mask: Tensor, keep_hidden: bool
                ) -> tuple[Tensor, dict[int, Tensor]]:
     """The compiled function: every layer of `model` (a Transformer) for rows sharing one key span;
-    with keep_hidden, also every layer's output (one graph serves any choice of layers). A
-    function of the model, not a method of CompiledRowGraphs: a saved graph's guards pickle its
-    arguments, and the graphs object holds loaded graphs, which cannot be pickled."""
+    with keep_hidden, also every layer's output (one graph serves any choice of layers)."""
     every = tuple(range(len(model.layers))) if keep_hidden else ()
     group = RowGroup(0, x.shape[0], n_keys, mask)
     return model.run_layers(x, slice(pos, pos + x.shape[0]), n_keys, None, every, [group])
@@ -213,41 +212,37 @@ def all_layers(model, x: Tensor, pos: int, n_keys: int, mask: Tensor, keep_hidde
 COMPILE_OPTIONS = {"cpp_wrapper": True}
 
 
-def saved_guards(entries) -> list[bool]:
-    """The guards a graph saved to disk keeps (graph_store.py): none on tensors, whose dispatch
-    keys and dynamo markings torch records in a form a loaded graph cannot match (their shapes stay
-    guarded through the symbolic-shape guards, and the store's key stands for the weights' shapes
-    and dtypes), none on global state or identities, which torch cannot save, and of the rest the
-    first layer's, as `first_layer_guards`."""
-    from torch._dynamo.guards import CheckFunctionManager
-
-    unsaveable = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
-    return [keep and not e.is_global and e.guard_type not in unsaveable and e.guard_type != "TENSOR_MATCH"
-            for keep, e in zip(first_layer_guards(entries), entries)]
-
-
 class CompiledRowGraphs:
-    """Single-token passes and row-exact groups of `model` (a Transformer) through one
-    torch.compile'd graph of all its layers, dynamic in the number of rows, the position and the
-    key count: one call per row group. Each row gets the same bits from the K-row graph as from
-    the one-row graph (fused kernels reduce within a row).
+    """Single-token passes and row-exact groups of `model` (a Transformer) through one compiled
+    graph of all its layers, dynamic in the number of rows, the position and the key count: one
+    call per row group. Each row gets the same bits from the K-row graph as from the one-row graph
+    (fused kernels reduce within a row).
 
     `prepare` makes a graph ready before its first call: loaded from `store` (graph_store.py),
-    else compiled ahead of time and saved there; where that fails, or without a store, the
-    graph is compiled by torch.compile at its first call, as any other."""
+    else exported ahead of time and saved there (exported_graph.py). Without a store, where
+    exporting fails, or for a call outside an exported graph's ranges, torch.compile compiles the
+    same function in process at its first call (the same kernels, so the same bits)."""
 
     def __init__(self, model, store: GraphStore | None = None):
         self.model = model
         self.store = store
-        self.ready: dict[Variant, Callable] = {}  # precompiled graphs, by variant
-        self.graph = torch.compile(all_layers, dynamic=True, fullgraph=True,
-                                   options=COMPILE_OPTIONS | {"guard_filter_fn": first_layer_guards})
-        self.mark_static()
+        self.ready: dict[Variant, ExportedGraph] = {}  # exported graphs, by variant
+        self._graph = None  # the in-process graph, made when first needed (importing dynamo takes seconds)
 
-    def __getstate__(self) -> dict:
-        """What a saved graph's guards pickle of this object (the model holds it): not the graphs,
-        which cannot be pickled."""
-        return {"model": self.model, "store": self.store, "ready": {}}
+    @property
+    def graph(self) -> Callable:
+        if self._graph is None:
+            self._graph = torch.compile(all_layers, dynamic=True, fullgraph=True,
+                                        options=COMPILE_OPTIONS | {"guard_filter_fn": first_layer_guards})
+            self.mark_static()
+        return self._graph
+
+    def cache_changed(self) -> None:
+        """The model has a new cache (and RoPE tables): the graphs must read those."""
+        for graph in self.ready.values():
+            graph.read_from(self.model)
+        if self._graph is not None:
+            self.mark_static()
 
     def mark_static(self) -> None:
         """Weights, tables and caches never change shape: tell dynamo, so that only the number of
@@ -271,8 +266,6 @@ class CompiledRowGraphs:
         for lo, hi, n_keys, mask in groups:
             # whole inputs, not views: a view's storage offset would become one more guarded symbol
             rows = x if len(groups) == 1 else x[lo:hi].clone()
-            # the model width is no symbol: dynamo would tie it to an equal key count and specialize both
-            torch._dynamo.mark_static(rows, 1)
             out, every = self._run(rows, start_pos + lo, n_keys, mask, bool(layers))  # every: {layer: output}
             xs.append(out)
             hiddens.append(every)
@@ -283,14 +276,11 @@ class CompiledRowGraphs:
 
     def _run(self, rows: Tensor, pos: int, n_keys: int, mask: Tensor, keep_hidden: bool):
         graph = self.ready.get(Variant(rows.shape[0] == 1, keep_hidden))
-        if graph is not None:
-            try:
-                return graph(self.model, rows, pos, n_keys, mask, keep_hidden)
-            except RuntimeError as e:  # checked before it runs: a shape its guards exclude (e.g. the
-                if "GuardManager check failed" not in str(e):  # whole cache as keys), for the graph below
-                    raise
-        # floats as constants, as the saved graphs must have them (they cannot restart tracing to
-        # specialize them); it also spares the in-process compile that second trace
+        if graph is not None and graph.fits(rows.shape[0], pos):
+            return graph(self.model, rows, pos, n_keys, mask, keep_hidden)
+        # the model width is no symbol: dynamo would tie it to an equal key count and specialize both
+        torch._dynamo.mark_static(rows, 1)
+        # floats as constants, as exported graphs have them; it also spares a second trace
         with torch._dynamo.config.patch(specialize_float=True):
             return self.graph(self.model, rows, pos, n_keys, mask, keep_hidden)
 
@@ -310,35 +300,29 @@ class CompiledRowGraphs:
             if cache is not None:
                 cache[:, :, :n_keys].zero_()
         rows = m.embed[torch.arange(1, K + 1, device=m.device)].float()
-        torch._dynamo.mark_static(rows, 1)
         return rows, pos, n_keys, mask, variant.keep_hidden
 
     @torch.inference_mode()
     def prepare(self, variant: Variant) -> None:
-        """Make `variant` ready: loaded from the store, else compiled ahead of time and saved
-        there, else (without a store, or where torch cannot precompile it) compiled in process.
-        Leaves the cache's entries at the example's positions overwritten."""
+        """Make `variant` ready: loaded from the store, else exported and saved there, else
+        (without a store, or where torch cannot export it) compiled in process. Leaves the cache's
+        entries at the example's positions overwritten."""
         if variant in self.ready:
             return
+        if self.store is None:
+            self._run(*self.example(variant))
+            return
         check = lambda graph: graph(self.model, *self.example(variant))[0]  # noqa: E731
-        if self.store is not None:
-            graph = self.store.load(variant, check)
-            if graph is not None:
-                self.ready[variant] = graph
-                return
+        load = lambda path: ExportedGraph(path, self.model, variant.one_row)  # noqa: E731
+        graph = self.store.load(variant, load, check)
+        if graph is None:
             try:
-                with torch._dynamo.config.patch(specialize_float=True):
-                    graph = torch.compile(all_layers, dynamic=True, fullgraph=True,
-                                          options=COMPILE_OPTIONS | {"guard_filter_fn": saved_guards}
-                                          ).aot_compile(((self.model,) + self.example(variant), {}))
-                fingerprint = check(graph)
-            except Exception:  # noqa: BLE001 - torch's precompiling is young: compile as usual instead
-                log.info("decode graph %s could not be compiled ahead of time; compiling in process", variant,
-                         exc_info=True)
-                self.store.remove(variant)
-            else:
-                self.ready[variant] = graph
-                with contextlib.suppress(OSError):  # unsaved, it still serves this process
-                    self.store.save(variant, graph, fingerprint)
+                graph = self.store.save(variant, lambda path: export_graph(self.model, variant.one_row,
+                                                                           variant.keep_hidden,
+                                                                           self.example(variant)[:4], path),
+                                        load, check)
+            except Exception:  # noqa: BLE001 - torch's exporting is young: compile as usual instead
+                log.info("decode graph %s could not be exported; compiling it in process", variant, exc_info=True)
+                self._run(*self.example(variant))
                 return
-        self._run(*self.example(variant))
+        self.ready[variant] = graph

@@ -176,10 +176,18 @@ def _int4_rows(t) -> Int4Rows:
 
 
 def _dense(t) -> torch.Tensor:
+    shape = tuple(int(s) for s in reversed(t.shape))
+    if t.tensor_type.name == "Q8_0":  # most embeddings: in torch, ~5x faster than gguf's numpy
+        return _q8_0(t).reshape(shape)
     from gguf.quants import dequantize
 
-    shape = tuple(int(s) for s in reversed(t.shape))
     return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
+
+
+def _q8_0(t) -> torch.Tensor:
+    """Q8_0 blocks -> float32: a block holds 32 weights, fp16 d then 32 int8 q; weight = d * q."""
+    blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8)).view(-1, 34)
+    return blocks[:, 2:].contiguous().view(torch.int8).float() * blocks[:, :2].contiguous().view(torch.float16).float()
 
 
 def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:

@@ -1,25 +1,16 @@
-"""Compiled decode graphs kept on disk, so that a later start loads them in seconds instead of
-tracing and compiling the model again.
+"""Compiled decode graphs kept on disk, so that a later start loads them in milliseconds instead
+of tracing and compiling the model again (minutes).
 
-torch's own on-disk caches keep the generated kernels, but every start still traces every layer
-with dynamo and rebuilds the AOTAutograd graph before it can look them up: most of a minute for
-SmolLM2-135M on 2 cores. torch's precompile API saves a traced graph with its guards and kernels
-(`torch.compile(...).aot_compile`, `save_compiled_function`) and loads it back without tracing
-(`torch.compiler.load_compiled_function`). Re-measure: `time specchat run -p smollm2-fast "Say hello."`
-twice on a fresh cache (docs/results.md).
+Each graph is an AOTInductor package (exported_graph.py): a shared library and its wrapper,
+loaded without tracing or a compiler. Re-measure: `time specchat run -p smollm2-fast "Say
+hello."` twice on a fresh cache (docs/results.md).
 
 A stored graph is never trusted stale:
 - its directory is named by a digest of everything the graphs depend on (`store_key`): torch's
   and Python's versions, the source of this engine, the CPU's flags, the model file (path, size,
   modification time) and the settings that shape the graphs;
 - each graph is saved with a fingerprint, its output on a fixed input, and a loaded graph must
-  reproduce it bit for bit; one that fails to load or differs is removed and compiled again.
-
-What a traced module may hold: the saved guards pickle the module tree with tensors as metadata,
-and torch marks an attribute the graph never reads as missing by the object's identity. A
-`torch.dtype` is one shared object, so a module attribute holding float32 that the graph does
-not read would turn every float32 tensor of the saved guards into a missing value (it then fails
-to load). Such dtypes are properties in this engine (Transformer.head_dtype, Linear.dense_dtype).
+  reproduce it bit for bit; one that fails to load or differs is removed and made again.
 """
 from __future__ import annotations
 
@@ -30,7 +21,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -38,6 +29,7 @@ from ..cpu import cpu_tag
 
 ENGINE_SOURCE = Path(__file__).parent
 log = logging.getLogger(__name__)
+Graph = Any  # a loaded graph, as the caller's `load` makes it
 
 
 class Variant(NamedTuple):
@@ -78,38 +70,42 @@ class GraphStore:
     def path(self, variant: Variant) -> Path:
         return self.root / variant.file
 
-    def load(self, variant: Variant, check: Callable[[Callable], torch.Tensor]) -> Optional[Callable]:
-        """The saved graph if there is one and `check(graph)` reproduces its fingerprint bit for bit;
-        else None (and a stale or broken entry is removed)."""
+    def load(self, variant: Variant, load: Callable[[Path], Graph], check: Callable[[Graph], torch.Tensor]
+             ) -> Optional[Graph]:
+        """The saved graph (`load(path)`) if there is one and `check(graph)` reproduces its
+        fingerprint bit for bit; else None (and a stale or broken entry is removed)."""
         path = self.path(variant)
         if not path.exists():
             return None
         try:
-            with open(path, "rb") as f:
-                graph = torch.compiler.load_compiled_function(f)
+            graph = load(path)
             expected = torch.load(path.with_suffix(".fingerprint"), weights_only=True)
             if torch.equal(check(graph), expected):
                 return graph
-            log.info("stored decode graph %s differs from its fingerprint; compiling it again", path)
-        except Exception:  # noqa: BLE001 - any failure means "compile it again", never a broken engine
-            log.info("stored decode graph %s does not load; compiling it again", path, exc_info=True)
+            log.info("stored decode graph %s differs from its fingerprint; making it again", path)
+        except Exception:  # noqa: BLE001 - any failure means "make it again", never a broken engine
+            log.info("stored decode graph %s does not load; making it again", path, exc_info=True)
         self.remove(variant)
         return None
 
-    def save(self, variant: Variant, graph, fingerprint: torch.Tensor) -> None:
-        """Written to a temporary name and renamed, so that a concurrent or interrupted start
-        never reads half a graph."""
+    def save(self, variant: Variant, write: Callable[[str], None], load: Callable[[Path], Graph],
+             check: Callable[[Graph], torch.Tensor]) -> Graph:
+        """The graph `write(path)` makes, stored with its fingerprint (`check`) and loaded back.
+        Written under a temporary name and renamed, so that a concurrent or interrupted start
+        never reads half a graph; where the store cannot be written, loaded from there."""
         if not self.root.exists():
             self.remove_stale()
             self.root.mkdir(parents=True)
             (self.root / "origin.txt").write_text(self.origin)
-        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp.pt2")
         os.close(fd)
         try:
-            graph.save_compiled_function(tmp)
-            torch.save(fingerprint, tmp + ".fp")
+            write(tmp)
+            graph = load(Path(tmp))  # the library is loaded: renaming its package leaves it usable
+            torch.save(check(graph), tmp + ".fp")
             os.replace(tmp + ".fp", self.path(variant).with_suffix(".fingerprint"))
             os.replace(tmp, self.path(variant))
+            return graph
         finally:
             for leftover in (tmp, tmp + ".fp"):
                 if os.path.exists(leftover):

@@ -1,7 +1,7 @@
 """The decoder-only transformer of the Llama family (SmolLM2, Llama 3.x, Qwen2/2.5, Qwen3), built
 from layers.py, with its KV cache.
 
-The cache is preallocated per layer as [1, n_kv, max_len, head_dim] and indexed by absolute
+The cache is preallocated per layer as [1, n_kv, max_len (+ 1: see KVCache), head_dim] and indexed by absolute
 position, so rolling back after a rejected draft is setting a shorter length. A pass runs K
 tokens at positions start..start+K-1 against cache[:start] in one of three ways:
 
@@ -42,7 +42,9 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
                  rollback: str = "snapshot", span: int = 0):
-        shape = (1, cfg.n_kv_heads, max_len, cfg.head_dim)
+        # one position more than max_len: a key span (at most max_len) then never covers a whole
+        # tensor, which an exported graph would have to special-case (exported_graph.py)
+        shape = (1, cfg.n_kv_heads, max_len + 1, cfg.head_dim)
         attention = [not cfg.is_linear(i) for i in range(cfg.n_layers)]
         self.k = [torch.zeros(shape, dtype=dtype, device=device) if a else None for a in attention]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) if a else None for a in attention]
@@ -173,7 +175,7 @@ class Transformer(nn.Module):
         self.cache = KVCache(self.cfg, max_len, self.cache_dtype, self.device, self.rollback, self.rollback_span)
         self.rope_cos, self.rope_sin = rope_tables(self.inv_freq, max_len, self.device, self.rope_dtype)
         if self.compiled is not None:
-            self.compiled.mark_static()
+            self.compiled.cache_changed()
 
     def hold_positions(self, n: int) -> None:
         """Let a hybrid's recurrent state return up to n positions back over consecutive passes

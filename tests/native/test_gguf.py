@@ -43,6 +43,20 @@ def test_gguf_logits_match_transformers_gguf_loader(tiny_ggufs, qtype):
     assert (logits - ref).abs().max().item() < 1e-4
 
 
+def test_q8_0_blocks_dequantize_as_the_gguf_library_does(tiny_ggufs):
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from specchat.backends.native.gguf_loader import _dense
+
+    q8 = [t for t in GGUFReader(tiny_ggufs["Q8_0"]).tensors if t.tensor_type.name == "Q8_0"]
+    assert q8
+    for t in q8:
+        expected = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        assert torch.equal(_dense(t), torch.from_numpy(expected).reshape(_dense(t).shape)), t.name
+
+
 def test_q4_blocks_are_kept_exactly(tiny_ggufs):
     dense = load_gguf(tiny_ggufs["Q4_1"])
     int4 = load_gguf(tiny_ggufs["Q4_1"], keep_int4=True)

@@ -3,8 +3,12 @@ compiling, decodes bit for bit as the first, and anything that could make them s
 that is broken, makes the engine compile again instead of trusting them."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +118,37 @@ def test_a_broken_graph_is_compiled_again_never_trusted(first_start, tmp_path, d
     assert Variant(True, False) in engine.model.compiled.ready
     assert one.stat().st_mtime_ns != saved_at  # compiled and saved again, not used as it was
     same_as_the_next_start(engine, gguf, cache)
+
+
+def test_a_later_start_loads_its_graphs_without_tracing_or_compiling(first_start):
+    """The stored graphs are AOTInductor packages: a later start neither imports dynamo (seconds)
+    nor runs a C++ compiler, and decodes to the end of the context on them, never compiling in
+    process (key spans up to the whole context, every position)."""
+    gguf, cache_dir, first = first_start
+    probe = f"""
+import os, subprocess, sys
+calls = []
+real_popen = subprocess.Popen.__init__
+def popen(self, args, *a, **k):
+    calls.append(args)
+    return real_popen(self, args, *a, **k)
+subprocess.Popen.__init__ = popen
+from pathlib import Path
+from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.native.engine import TorchBackend
+engine = TorchBackend(Path({str(gguf)!r}), precision="int4", threads=2, context=128, compile=True,
+                      cache_dir=Path({str(cache_dir)!r}))
+loaded_dynamo = "torch._dynamo" in sys.modules
+prompt = [{{"role": "user", "content": "count: " + " ".join(str(i) for i in range(30))}}]
+ids = engine.tokenize_chat(prompt)
+summary = run_to_summary(engine.stream(Request(messages=prompt), Sampling(max_tokens=128 - len(ids))))
+import json
+print(json.dumps([loaded_dynamo, len(ids) + len(summary.token_ids), engine.model.compiled._graph is None,
+                  [str(c if isinstance(c, str) else c[0]) for c in calls]]))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded_dynamo, end, no_graph_in_process, programs = json.loads(out.stdout.splitlines()[-1])
+    assert not loaded_dynamo and no_graph_in_process
+    assert end > 64  # past the first key span, to where a span is the whole context
+    assert not {Path(p.split()[0]).name for p in programs} & {"g++", "gcc", "c++", "cc", "clang", "clang++"}

@@ -1,5 +1,6 @@
 """Strict verification through the compiled decode graphs (`compile: true` on CPU): every
-single-token pass and every verify row goes through torch.compile'd graphs, and the replies must
+single-token pass and every verify row goes through compiled graphs (exported, or torch.compile'd in
+process), and the replies must
 still be bit for bit target-only's, for every drafter, depth and sampling mode, with no
 recompilation after the warm-up at load."""
 from __future__ import annotations
@@ -19,12 +20,14 @@ from tests.speculative.conftest import PROMPTS, SAMPLINGS, mtp_drafter, with_loo
 from tests.speculative.tiny_dflash import make_dflash_checkpoint
 
 
-@pytest.fixture(scope="module")
-def compiled(tiny_pair, tmp_path_factory):
-    """(compiled int4 target, eager int4 engine of the same GGUF, a DFlash checkpoint)."""
+@pytest.fixture(scope="module", params=["exported", "in process"])
+def compiled(tiny_pair, tmp_path_factory, request):
+    """(compiled int4 target, eager int4 engine of the same GGUF, a DFlash checkpoint). The graphs
+    exported to a graph store, as a profile has them, or (without a store) compiled in process."""
     root = tmp_path_factory.mktemp("compiled")
     gguf = make_gguf(root / "target.gguf", tiny_pair[0], "Q4_1")
-    target = TorchBackend(gguf, precision="int4", threads=2, context=256, compile=True)
+    target = TorchBackend(gguf, precision="int4", threads=2, context=256, compile=True,
+                          cache_dir=root / "cache" if request.param == "exported" else None)
     target.warm_up(hidden=True)  # what make_dflash_drafter does for a profile
     eager = TorchBackend(gguf, precision="int4", threads=2, context=256)
     dflash = make_dflash_checkpoint(root / "dflash", tiny_pair[0], block_size=5, target_layer_ids=(0, 2))
@@ -51,6 +54,13 @@ def test_compiled_target_is_row_exact_and_warm(compiled):
     target, eager, _ = compiled
     assert target.model.compiled is not None and eager.model.compiled is None
     assert target.row_exact_supported == target.model.attention_calls_shared
+    if target.graph_store is not None:  # every graph exported, none compiled in process
+        assert set(target.model.compiled.ready) == set(target.wanted) and target.model.compiled._graph is None
+
+
+def on_exported_graphs_only(target: TorchBackend) -> None:
+    """With a store, no call fell outside the exported graphs (to a graph compiled in process)."""
+    assert target.graph_store is None or target.model.compiled._graph is None
 
 
 @pytest.mark.parametrize("method", ["ngram", "eager-self", "mtp+lookup", "dflash"])
@@ -70,6 +80,7 @@ def test_compiled_speculative_equals_compiled_target_only(compiled, tiny_pair, m
             assert out.token_ids == ref.token_ids and out.stop_reason == ref.stop_reason
             if method == "eager-self" and len(out.token_ids) > 3:  # its guesses are mostly right
                 assert out.passes < len(out.token_ids)
+    on_exported_graphs_only(target)
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["greedy", "t0.8"])
@@ -95,6 +106,7 @@ def test_a_reference_on_the_compiled_engines_weights_is_its_target_only(compiled
             assert ref_other.token_ids == run_to_summary(fresh(alone).stream(Request(messages=other), sampling)).token_ids
             ref = run_to_summary(fresh(reference).stream(Request(messages=messages), sampling))
             assert ref.token_ids == out.token_ids
+    on_exported_graphs_only(target)
 
 
 def test_compiled_decoding_stays_close_to_eager(compiled):
