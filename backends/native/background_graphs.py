@@ -1,7 +1,7 @@
 """Compiled decode graphs prepared by a background process while the engine answers on its eager
 passes; the engine moves to them between replies (`TorchBackend.switch_if_ready`).
 
-A process, not a thread: preparing is minutes of Python (dynamo tracing) and C++ builds, which
+A process, not a thread: preparing is minutes of Python (exporting the graphs) and C++ builds, which
 in a thread would hold the interpreter against the decode loop. The process runs at the lowest
 CPU priority with one compile worker, and the engine's passes leave it a core meanwhile
 (`threads_beside`), so that a chat keeps most of its speed (re-measure:

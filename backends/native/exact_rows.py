@@ -22,8 +22,8 @@ computes it. This module is what makes that true on CPU. Its terms, used everywh
   depend on its neighbours in it; this machine's kernel is probed once per shape
   (`probe_attention_mode`) and the first mode that keeps every row's bits is used.
 - **compiled row graphs** (`CompiledRowGraphs`): single-token passes and row-exact groups through
-  one torch.compile'd graph of all layers, dynamic in the number of rows; every row then gets the
-  graph's bits (not the eager path's) in both.
+  one compiled graph of all layers (exported ahead of time, exported_graph.py), dynamic in the
+  number of rows; every row then gets the graph's bits (not the eager path's) in both.
 """
 from __future__ import annotations
 
