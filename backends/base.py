@@ -247,6 +247,11 @@ class Backend(ABC):
                 f"prompt is {n_prompt} tokens but the context holds {self.context_length}: "
                 f"shorten the conversation (new chat) or raise `context` in the profile")
 
+    def prepare_in_background(self) -> None:
+        """Start preparing faster passes in the background, where loading planned some (a torch
+        engine's compiled graphs not stored yet): the app calls it once a reply it must give at once
+        is not slowed by it."""
+
     def background_status(self) -> Optional[str]:
         """A short line on faster passes being prepared in the background (None: none are)."""
         return None

@@ -51,6 +51,7 @@ def main() -> None:
         rates["before"].append(answer(eager, item))
     started = time.perf_counter()
     chat = TorchBackend(path, kind, **settings, compile=True, compile_in_background=True)
+    chat.prepare_in_background()  # as the chat starts it, at load
     print(f"chat engine loaded in {time.perf_counter() - started:.1f} s, graphs: {chat.background_status()}")
     i = 0
     while chat.background is not None and not chat.background.progress().ready:

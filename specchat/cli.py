@@ -91,7 +91,7 @@ def cmd_run(args) -> int:
     if not prompt.strip():
         raise UsageError("empty prompt: pass it as an argument or on stdin")
     profile = _overridden(get_profile(args.profile), args)
-    backend = load_backend(profile, background=True)
+    backend = load_backend(profile, background=True, start_background=False)  # started after the reply
     request = Request(messages=messages_for(profile, [{"role": "user", "content": prompt}], args.system))
     cancel = threading.Event()
     summary: Optional[Summary] = None

@@ -77,7 +77,8 @@ def pump(backend: Backend, request: Request, sampling: Sampling, cancel: threadi
 
 def background_note(backend: Backend) -> Optional[str]:
     """What a one-shot command says, as it ends, of faster passes its backend prepares in the
-    background (None: nothing to say)."""
+    background, started now that its reply is out (None: nothing to say)."""
+    backend.prepare_in_background()
     line = backend.background_status() or ""
     if "unavailable" in line:
         return backend.switch_if_ready()  # why, in one line

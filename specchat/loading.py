@@ -21,12 +21,14 @@ def sampling_of(profile: Profile) -> Sampling:
 
 
 def load_backend(profile: Profile, progress: Optional[Callable[[str], None]] = None,
-                 background: bool = False) -> Backend:
+                 background: bool = False, start_background: bool = True) -> Backend:
     """Load the model a profile names. Raises BackendError (one line) for anything the user can fix,
     and before loading anything when the weights alone would not fit the device's free memory.
     `progress`: where news of a long first-time step goes (building llama-server; default stderr).
     `background`: compiled graphs not stored yet are prepared by a background process while the
-    engine answers on eager passes (a chat); else they are ready before this returns (a measurement)."""
+    engine answers on eager passes (a chat); else they are ready before this returns (a measurement).
+    `start_background`: start that process now (a chat, whose user is typing) rather than at the
+    caller's `prepare_in_background` (a one-shot reply, which it would slow)."""
     from specchat.weight_memory import check_fits
 
     check_fits(profile)
@@ -36,9 +38,11 @@ def load_backend(profile: Profile, progress: Optional[Callable[[str], None]] = N
         return load_llamacpp(profile)
     if profile.backend == "llamaserver":
         return load_llamaserver(profile, progress)
-    if profile.method != "none":
-        return load_speculative(profile, background)
-    return load_target(profile, compile_in_background=background)
+    backend = (load_speculative(profile, background) if profile.method != "none"
+               else load_target(profile, compile_in_background=background))
+    if start_background:
+        backend.prepare_in_background()
+    return backend
 
 
 # What decides a torch target's arithmetic: two profiles equal in these run the same engine.

@@ -139,6 +139,7 @@ class TorchBackend(Backend):
                                   attention=self.model.attention_mode))
         self.in_background = compile_in_background and self.graph_store is not None
         self.wanted: list[Variant] = []  # the graphs asked for so far (warm_up)
+        self.background_planned = False  # graphs to prepare in the background (prepare_in_background)
         self.background: Optional[BackgroundGraphs] = None  # the process preparing them, if any
         self.background_failure: Optional[str] = no_graphs  # why there are no compiled graphs (said once)
         self.failure_said = False
@@ -167,7 +168,8 @@ class TorchBackend(Backend):
         """Make the compiled graphs (`graph_variants`) ready now, not in the middle of the first
         reply: loaded from the graph store or compiled and saved there (graph_store.py). With
         `compile_in_background`, graphs not stored yet are left to a background process and the
-        engine decodes eagerly until `switch_if_ready`. Leaves the cache empty."""
+        engine decodes eagerly until `switch_if_ready`; the process starts at
+        `prepare_in_background`. Leaves the cache empty."""
         if not self.compile_planned:
             return
         self.wanted += [v for v in self.graph_variants(hidden) if v not in self.wanted]
@@ -175,15 +177,35 @@ class TorchBackend(Backend):
             if self.model.compiled is not None:  # loaded before a drafter asked for more: eager until all are
                 self.model.compiled = None
                 self.truncate(0)
-            if self.background is None or not set(self.wanted) <= set(self.background.variants):
-                self.background_failure = compile_unavailable(self.graph_store)
-                if self.background_failure is None:
-                    self.background = BackgroundGraphs(self.graph_store, self.wanted, self.background_settings())
-                    torch.set_num_threads(threads_beside(self.threads))
+            self.background_planned = True
+            if self.background is not None:  # already preparing: the rest too
+                self.prepare_in_background()
             return
         if self.model.compiled is None:
             self.model.use_compiled_rows(self.graph_store)
         self._prepare_graphs(self.wanted)
+
+    def prepare_in_background(self) -> None:
+        """Start the background process `warm_up` planned, if it did and none prepares all the wanted
+        graphs yet. From here until the switch, passes leave it a core. Called by the app once it
+        has answered what it was started for or waits for its user (a `run` after its reply, a chat
+        at load), so that the process never slows a reply the command's start was waiting on."""
+        if not self.background_planned or (self.background is not None
+                                           and set(self.wanted) <= set(self.background.variants)):
+            return
+        self.background_failure = compile_unavailable(self.graph_store)
+        if self.background_failure is None:
+            with self.turn:
+                self.background = BackgroundGraphs(self.graph_store, self.wanted, self.background_settings())
+                torch.set_num_threads(threads_beside(self.threads))
+                self._restart_caches()  # eager bits depend on the thread count
+
+    def _restart_caches(self) -> None:
+        """Every cache on these weights (this engine's and its references') starts again: the
+        passes that filled them ran on other arithmetic than the next ones will."""
+        for reference in list(self.sharers):
+            reference.truncate(0)
+        self.truncate(0)
 
     def background_settings(self) -> dict:
         """This engine's arguments, for the process that prepares its graphs."""
@@ -235,11 +257,9 @@ class TorchBackend(Backend):
         with self.turn:
             # every thread back, and every cache on these weights started again: the passes so far
             # ran on fewer threads, and from here on they run on other arithmetic (or may)
-            self.background = None
+            self.background, self.background_planned = None, False
             torch.set_num_threads(threads_beside(self.threads))
-            for reference in list(self.sharers):
-                reference.truncate(0)
-            self.truncate(0)
+            self._restart_caches()
             if progress.failed:
                 return self._stay_eager(progress.failed)
             started = time.perf_counter()

@@ -86,6 +86,9 @@ class SpeculativeBackend(Backend):
         return speculative_stream(self.target, self.drafter, prompt, sampling, self.depth, self.acceptance, cancel,
                                   self.strict, DraftGate() if self.adaptive else None)
 
+    def prepare_in_background(self) -> None:
+        self.target.prepare_in_background()
+
     def background_status(self) -> Optional[str]:
         return self.target.background_status()
 

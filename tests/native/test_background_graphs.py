@@ -20,9 +20,12 @@ CHAT = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog
 GREEDY, SEEDED = Sampling(max_tokens=24), Sampling(temperature=0.8, seed=3, max_tokens=24)
 
 
-def engine(gguf, cache_dir, background=True) -> TorchBackend:
-    return TorchBackend(gguf, precision="int4", threads=2, context=128, compile=True, cache_dir=cache_dir,
-                        compile_in_background=background)
+def engine(gguf, cache_dir, background=True, start=True) -> TorchBackend:
+    target = TorchBackend(gguf, precision="int4", threads=2, context=128, compile=True, cache_dir=cache_dir,
+                          compile_in_background=background)
+    if start:
+        target.prepare_in_background()
+    return target
 
 
 def reply(backend, sampling=GREEDY) -> list[int]:
@@ -37,8 +40,14 @@ def model_copy(tiny_ggufs, tmp_path):
 
 def test_eager_replies_at_once_then_compiled_graphs_between_replies(model_copy):
     gguf, cache_dir = model_copy
-    target = engine(gguf, cache_dir)
-    assert target.model.compiled is None and target.background is not None
+    target = engine(gguf, cache_dir, start=False)
+    # planned, not started: a reply the command was started for runs on every thread, undisturbed
+    assert target.model.compiled is None and target.background is None and target.background_status() is None
+    assert torch.get_num_threads() == 2
+    assert len(reply(target)) > 0 and target.background is None
+    target.prepare_in_background()
+    # one thread fewer from here: the eager passes' bits change, so the cache starts again
+    assert target.background is not None and target.cache_len == 0
     assert torch.get_num_threads() == 1  # a core left to the process preparing the graphs
     assert "compiling decode graphs in the background (0/" in target.background_status()
     spec = SpeculativeBackend(target, NgramDrafter(1, 3), 3, strict=True)
