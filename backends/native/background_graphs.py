@@ -103,11 +103,10 @@ def compile_unavailable(store: GraphStore) -> Optional[str]:
     store; a new torch, engine or model file is another store and is tried again)."""
     import shutil
 
-    from torch._inductor import config
-
-    compilers = [c for c in (config.cpp.cxx if isinstance(config.cpp.cxx, tuple) else (config.cpp.cxx,)) if c]
-    if not any(shutil.which(c) for c in compilers):
-        return (f"torch.compile on CPU needs a C++ compiler ({' or '.join(compilers)}), which this machine "
+    # torch's own default (torch._inductor.config.cpp.cxx), whose import would take a second
+    compiler = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    if not shutil.which(compiler):
+        return (f"torch.compile on CPU needs a C++ compiler ({compiler}), which this machine "
                 "lacks; install one (e.g. apt install g++) or set compile: false")
     failed = side_file(store, ".failed")
     if failed.exists():

@@ -112,10 +112,8 @@ def test_a_failed_background_process_leaves_eager_passes_and_says_why(model_copy
 
 
 def test_without_a_cxx_compiler_the_engine_stays_eager_and_says_how_to_fix_it(model_copy, monkeypatch):
-    from torch._inductor import config
-
     gguf, cache_dir = model_copy
-    monkeypatch.setattr(config.cpp, "cxx", (None, "no-such-compiler++"))
+    monkeypatch.setenv("CXX", "no-such-compiler++")  # the compiler torch's CPU code would use
     target = engine(gguf, cache_dir)
     assert target.background is None and target.model.compiled is None
     assert target.background_status() == "eager passes (compiled graphs unavailable)"
