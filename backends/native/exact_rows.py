@@ -322,7 +322,8 @@ class CompiledRowGraphs:
                                                                            self.example(variant)[:4], path),
                                         load, check)
             except Exception:  # noqa: BLE001 - torch's exporting is young: compile as usual instead
-                log.info("decode graph %s could not be exported; compiling it in process", variant, exc_info=True)
+                log.info("decode graph %s could not be exported and stored; compiling it in process", variant,
+                         exc_info=True)
                 self._run(*self.example(variant))
                 return
         self.ready[variant] = graph

@@ -1,0 +1,94 @@
+"""Where a compiled single-token decode step goes: the layers' graph, the LM head's choice, and the
+operators behind them, next to what streaming the weights once would take.
+
+    python scripts/decode_step.py [-p smollm2-fast] [--steps 150]
+
+Loads the profile's target (its compiled graphs from the graph store: run the profile once
+first), prefills a chat prompt and decodes greedily, timing per step the pass through the layers
+(`forward`, the exported graph plus embedding and final norm), the choice of the next token
+(`choose`: the int8 head's bound and the exact recomputation of the few tokens that could win),
+and the graph alone; then a profile of 20 steps by operator, and the bytes of weights a step
+reads over a measured memory bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-p", "--profile", default="smollm2-fast")
+    ap.add_argument("--steps", type=int, default=150)
+    args = ap.parse_args()
+
+    from specchat.backends.base import Sampling
+    from specchat.backends.native.exact_rows import row_groups
+    from specchat.loading import load_target
+    from specchat.profiles import get_profile
+
+    engine = load_target(get_profile(args.profile))  # target-only; its graphs loaded (or made) now
+    model = engine.model
+    if model.compiled is None or not model.compiled.ready:
+        raise SystemExit(f"{args.profile}: no compiled graphs loaded (a compile: true profile, graphs stored)")
+    ids = engine.tokenize_chat([{"role": "user", "content": "Write a short story about a robot who learns to paint."}])
+    greedy = Sampling(max_tokens=args.steps)
+    forward, choose = [], []
+    with torch.inference_mode():
+        state, _ = engine.forward(ids, 0, all_logits=False, head=False)
+        pos = len(ids)
+        token = int(engine.choose(state, [pos], greedy)[0])
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            state, _ = engine.forward([token], pos, all_logits=False, head=False)
+            t1 = time.perf_counter()
+            token = int(engine.choose(state, [pos + 1], greedy)[0])
+            choose.append(time.perf_counter() - t1)
+            forward.append(t1 - t0)
+            pos += 1
+        graph = next(g for v, g in model.compiled.ready.items() if v.one_row and not v.keep_hidden)
+        group = row_groups(pos, 1, model.max_len, model.device, model.cache_dtype,
+                           (model.cfg.n_kv_heads, model.cfg.n_heads // model.cfg.n_kv_heads))[0]
+        x = model.embed[torch.tensor([token])].float()
+        alone = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            graph(model, x, pos, group.n_keys, group.mask, False)
+            alone.append(time.perf_counter() - t0)
+        print(f"threads {torch.get_num_threads()}: forward {median_ms(forward):.2f} ms (graph alone "
+              f"{median_ms(alone):.2f}), choose {median_ms(choose):.2f} ms, step "
+              f"{median_ms([a + b for a, b in zip(forward, choose)]):.2f} ms")
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                state, _ = engine.forward([token], pos, all_logits=False, head=False)
+                token = int(engine.choose(state, [pos + 1], greedy)[0])
+                pos += 1
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+    layer_bytes = sum(t.numel() * t.element_size() for t in graph.tensors if t.dim() == 2 and t.dtype == torch.int32)
+    head = model.argmax_head
+    head_bytes = head.q.numel() if head is not None else model.embed.numel() * 4
+    big = torch.ones(64 * 1024 * 1024)
+    big.sum()
+    best = min(_timed(big.sum) for _ in range(5))
+    bandwidth = big.numel() * 4 / best
+    print(f"weights read per step: layers' int4 {layer_bytes / 1e6:.0f} MB + head {head_bytes / 1e6:.0f} MB; "
+          f"at {bandwidth / 1e9:.1f} GB/s: {(layer_bytes + head_bytes) / bandwidth * 1000:.2f} ms")
+
+
+def _timed(f) -> float:
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+if __name__ == "__main__":
+    main()
