@@ -73,7 +73,11 @@ def main() -> None:
                 token = int(engine.choose(state, [pos + 1], greedy)[0])
                 pos += 1
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
-    layer_bytes = sum(t.numel() * t.element_size() for t in graph.tensors if t.dim() == 2 and t.dtype == torch.int32)
+    from specchat.backends.native.linear import Linear
+
+    # what a single-token pass reads of each matrix: its packed int4 weights and their scales and zeros
+    layer_bytes = sum(t.numel() * t.element_size() for lin in model.layers.modules()
+                      if isinstance(lin, Linear) and lin.int4 is not None for t in lin.int4[:2])
     head = model.argmax_head
     head_bytes = head.q.numel() if head is not None else model.embed.numel() * 4
     big = torch.ones(64 * 1024 * 1024)
