@@ -114,6 +114,16 @@ def compile_unavailable(store: GraphStore) -> Optional[str]:
     return None
 
 
+def is_compiler_error(e: BaseException | None) -> bool:
+    """Whether a failed compilation came from the C++ toolchain (missing or broken g++)."""
+    while e is not None:
+        text = f"{type(e).__name__} {e}".lower()
+        if any(word in text for word in ("cxx", "cppcompile", "c++ compiler", "g++")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def last_line(path: Path) -> str:
     with contextlib.suppress(OSError):
         lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]

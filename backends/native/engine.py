@@ -20,7 +20,7 @@ from torch import Tensor
 from ..base import Backend, BackendError, Event, Request, Sampling, decode_stream
 from ..cpu import thread_count
 from . import sampling as sampler
-from .background_graphs import BackgroundGraphs, compile_unavailable, threads_beside
+from .background_graphs import BackgroundGraphs, compile_unavailable, is_compiler_error, threads_beside
 from .graph_store import GraphStore, Variant
 from .model import Transformer
 from .tokenizer import ChatTokenizer
@@ -40,16 +40,6 @@ PRECISIONS = ("float32", "bfloat16", "float16", "int4")
 # Precisions whose CPU matmul kernels are row-invariant, so that a row-exact pass over K tokens
 # equals K single-token passes bit for bit (exact_rows.py).
 ROW_INVARIANT_PRECISIONS = ("bfloat16", "int4")
-
-
-def _is_compiler_error(e: BaseException | None) -> bool:
-    """Whether a failed compilation came from the C++ toolchain (missing or broken g++)."""
-    while e is not None:
-        text = f"{type(e).__name__} {e}".lower()
-        if any(word in text for word in ("cxx", "cppcompile", "c++ compiler", "g++")):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def load_checkpoint(path: Path, kind: str, keep_int4: bool, cache_dir: Path | None = None) -> Checkpoint:
@@ -226,7 +216,7 @@ class TorchBackend(Backend):
         except Exception as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             fix = ("torch.compile on CPU needs a C++ compiler (g++); install one or set compile: false"
-                   if _is_compiler_error(e) else "set compile: false to decode without compiled graphs")
+                   if is_compiler_error(e) else "set compile: false to decode without compiled graphs")
             raise BackendError(f"compile: true failed ({type(e).__name__}: {first}); {fix}") from None
         finally:
             self.truncate(0)

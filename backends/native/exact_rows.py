@@ -317,10 +317,9 @@ class CompiledRowGraphs:
         graph = self.store.load(variant, load, check)
         if graph is None:
             try:
-                graph = self.store.save(variant, lambda path: export_graph(self.model, variant.one_row,
-                                                                           variant.keep_hidden,
-                                                                           self.example(variant)[:4], path),
-                                        load, check)
+                write = lambda path: export_graph(all_layers, self.model, variant.one_row,  # noqa: E731
+                                                  variant.keep_hidden, self.example(variant)[:4], path)
+                graph = self.store.save(variant, write, load, check)
             except Exception:  # noqa: BLE001 - torch's exporting is young: compile as usual instead
                 log.info("decode graph %s could not be exported and stored; compiling it in process", variant,
                          exc_info=True)

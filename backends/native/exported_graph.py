@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -87,14 +87,13 @@ def position_input(pos: int) -> Tensor:
     return torch.empty(1).expand(pos + POSITION_OFFSET)
 
 
-def export_graph(model, one_row: bool, keep_hidden: bool, example: tuple, path: str) -> None:
-    """Export `all_layers` for `model` (rows of one key span; `example`: rows, position, key count,
-    mask as `CompiledRowGraphs.example` makes them) and compile it to an AOTInductor package at
-    `path`. Minutes on a small model (a single-token graph ~1 min for SmolLM2-135M on 2 cores)."""
+def export_graph(all_layers: Callable, model, one_row: bool, keep_hidden: bool, example: tuple, path: str) -> None:
+    """Export `all_layers` (exact_rows.all_layers) for `model` (rows of one key span; `example`:
+    rows, position, key count, mask as `CompiledRowGraphs.example` makes them) and compile it to an
+    AOTInductor package at `path`. Minutes on a small model (a single-token graph ~1 min for
+    SmolLM2-135M on 2 cores)."""
     import torch._inductor
     from torch.export import Dim
-
-    from .exact_rows import all_layers
 
     slots = graph_tensors(model)
     n_layers = len(model.layers)
