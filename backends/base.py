@@ -249,8 +249,8 @@ class Backend(ABC):
 
     def prepare_in_background(self) -> None:
         """Start preparing faster passes in the background, where loading planned some (a torch
-        engine's compiled graphs not stored yet): the app calls it once a reply it must give at once
-        is not slowed by it."""
+        engine's compiled graphs not stored yet). The app calls it when that would slow no reply
+        its user waits on: a chat at load, a one-shot `run` after its reply."""
 
     def background_status(self) -> Optional[str]:
         """A short line on faster passes being prepared in the background (None: none are)."""

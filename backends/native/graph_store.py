@@ -92,7 +92,7 @@ class GraphStore:
              check: Callable[[Graph], torch.Tensor]) -> Graph:
         """The graph `write(path)` makes, stored with its fingerprint (`check`) and loaded back.
         Written under a temporary name and renamed, so that a concurrent or interrupted start
-        never reads half a graph; where the store cannot be written, loaded from there."""
+        never reads half a graph."""
         if not self.root.exists():
             self.remove_stale()
             self.root.mkdir(parents=True)
