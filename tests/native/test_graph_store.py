@@ -122,11 +122,11 @@ def test_a_broken_graph_is_compiled_again_never_trusted(first_start, tmp_path, d
 
 def test_a_later_start_loads_its_graphs_without_tracing_or_compiling(first_start):
     """The stored graphs are AOTInductor packages: a later start neither imports dynamo (seconds)
-    nor runs a C++ compiler, and decodes to the end of the context on them, never compiling in
-    process (key spans up to the whole context, every position)."""
+    nor runs a C++ compiler, and decodes on them past the first key span (from there a span is
+    the whole context, which the precompiled graphs left to a graph compiled in process)."""
     gguf, cache_dir, first = first_start
     probe = f"""
-import os, subprocess, sys
+import subprocess, sys
 calls = []
 real_popen = subprocess.Popen.__init__
 def popen(self, args, *a, **k):
