@@ -73,25 +73,12 @@ def main() -> None:
                 token = int(engine.choose(state, [pos + 1], greedy)[0])
                 pos += 1
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
-    from specchat.backends.native.linear import Linear
+    # bench_engine.py's measures, from this directory: the bytes a step reads, the memory bandwidth
+    from bench_engine import memory_bandwidth_gbs, weight_bytes_per_token
 
-    # what a single-token pass reads of each matrix: its packed int4 weights and their scales and zeros
-    layer_bytes = sum(t.numel() * t.element_size() for lin in model.layers.modules()
-                      if isinstance(lin, Linear) and lin.int4 is not None for t in lin.int4[:2])
-    head = model.argmax_head
-    head_bytes = head.q.numel() if head is not None else model.embed.numel() * 4
-    big = torch.ones(64 * 1024 * 1024)
-    big.sum()
-    best = min(_timed(big.sum) for _ in range(5))
-    bandwidth = big.numel() * 4 / best
-    print(f"weights read per step: layers' int4 {layer_bytes / 1e6:.0f} MB + head {head_bytes / 1e6:.0f} MB; "
-          f"at {bandwidth / 1e9:.1f} GB/s: {(layer_bytes + head_bytes) / bandwidth * 1000:.2f} ms")
-
-
-def _timed(f) -> float:
-    t = time.perf_counter()
-    f()
-    return time.perf_counter() - t
+    total, bandwidth = weight_bytes_per_token(model), memory_bandwidth_gbs()
+    print(f"weights read per step: {total / 1e6:.0f} MB (layers' int4 matrices and the int8 head); "
+          f"at {bandwidth:.1f} GB/s: {total / bandwidth / 1e6:.2f} ms")
 
 
 if __name__ == "__main__":
