@@ -57,10 +57,10 @@ class ProfileResult:
         passes = sum(s.passes for s in subs)
         return sum(s.tokens for s in subs) / passes if passes else 0.0
 
-    def acceptance_by_position(self) -> list[float]:
+    def acceptance_by_position(self, task: Optional[str] = None) -> list[float]:
         acc: list[int] = []
         dr: list[int] = []
-        for s in self.subset(None):
+        for s in self.subset(task):
             for i, (a, d) in enumerate(zip(s.accepted_per_position, s.drafts_per_position)):
                 if i >= len(acc):
                     acc.append(0)
@@ -212,7 +212,8 @@ def to_json(results: list[ProfileResult]) -> dict:
             "tokens_per_pass": r.tokens_per_pass(), "acceptance_by_position": r.acceptance_by_position(),
             "reference": r.reference, "speedup": speedup(results, r), "load_s": r.load_s,
             "by_task": {t: {"decode_tok_s": r.decode_tok_s(t), "mean_accepted": r.mean_accepted(t),
-                            "tokens_per_pass": r.tokens_per_pass(t), "speedup": speedup(results, r, t)}
+                            "tokens_per_pass": r.tokens_per_pass(t), "speedup": speedup(results, r, t),
+                            "acceptance_by_position": r.acceptance_by_position(t)}
                         for t in tasks_of(results)},
         }
         out["rows"].append(row)
@@ -289,4 +290,24 @@ def render(results: list[ProfileResult]):
             tsp = speedup(results, r, t)
             cells.append(f"{tsp:.2f}x" if tsp else tok_s(r.decode_tok_s(t)))
         by_task.add_row(r.label, *cells)
-    return Group(main, "", by_task)
+    first = first_position_table(results, tasks)
+    return Group(main, "", by_task, *(("", first) if first.row_count else ()))
+
+
+def first_position_table(results: list[ProfileResult], tasks: list[str]):
+    """Per subtask, the share of drafted first positions the target accepted (under greedy decoding
+    what a depth-1 drafter's speed-up rests on), for the rows that drafted."""
+    table = compact_table("accepted at position 1 by subtask, %",
+                          "lookup-first rows: lookup's drafts and the model drafter's together")
+    table.add_column("profile", no_wrap=True)
+    for t in tasks:
+        table.add_column(TASK_HEADERS.get(t, t), justify="right", no_wrap=True)
+    for r in results:
+        if not any(run.summary.drafts for run in r.runs):
+            continue
+        cells = []
+        for t in tasks:
+            by_position = r.acceptance_by_position(t)
+            cells.append(f"{by_position[0] * 100:.0f}" if by_position else "-")
+        table.add_row(r.label, *cells)
+    return table

@@ -82,6 +82,12 @@ def test_the_bench_table_fits_80_columns_with_the_longest_names():
     by_task = rows_of(lines, m, "plain numbers: ")
     assert by_task[0].startswith("smollm2-mtp-lookup ") and by_task[0].count("x") == 6
     assert by_task[1].startswith("smollm2-mtp-lookup:target-only ")
+    # first-position acceptance per subtask: a third table, for the rows that drafted only
+    k = header_line(lines, ["profile", "mt-bench", "transl", "summ", "qa", "math", "rag"], after=m + 1)
+    accepted = rows_of(lines, k, "lookup-first rows")
+    assert len(accepted) == 1 and accepted[0].split() == ["smollm2-mtp-lookup"] + [
+        f"{res[0].acceptance_by_position(t)[0] * 100:.0f}" for t in bench.tasks_of(res)]
+    assert accepted[0].split()[1] == "90"  # results.summary accepts 0.9 of the first position
 
 
 def test_the_bench_table_names_each_backend_when_they_differ():
