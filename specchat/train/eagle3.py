@@ -212,7 +212,8 @@ def train_eagle3(profile, data: list[Path], out: Path, cfg: Eagle3TrainConfig, s
     del ck
 
     layers = tuple(j - 1 for j in taps if j > 0)
-    by_id = dict(zip((e.id for e in examples), compute_features(profile, examples, layers, cfg.top_k, state_dir, say)))
+    features = compute_features(profile, examples, layers, cfg.top_k, state_dir, say, cfg.threads)
+    by_id = dict(zip((e.id for e in examples), features))
     train_seqs, eval_seqs = [by_id[e.id] for e in train_ex], [by_id[e.id] for e in eval_ex]
     vocab = choose_draft_vocab(train_seqs, cfg.draft_vocab, tcfg.vocab_size)
     if vocab is None:

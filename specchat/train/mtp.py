@@ -54,9 +54,10 @@ class Entries:
 # ---- features ----
 
 def compute_features(profile, examples, layers: tuple[int, ...], top_k: int, cache: Path,
-                     say=print) -> list[Entries]:
+                     say=print, threads: int = 0) -> list[Entries]:
     """The target's states at `layers` (model.forward's keys, concatenated in that order) and its
-    next-token distributions over every sequence (cached on disk)."""
+    next-token distributions over every sequence (cached on disk), on the run's `threads` (0: every
+    core), so that a run given fewer threads leaves the other cores alone throughout."""
     from safetensors.torch import load_file, save_file
 
     from specchat.loading import load_target
@@ -68,7 +69,7 @@ def compute_features(profile, examples, layers: tuple[int, ...], top_k: int, cac
         st = load_file(str(path))
         return [Entries(e.tokens, st[f"{i}.h"], st[f"{i}.ids"].long(), st[f"{i}.logp"])
                 for i, e in enumerate(examples)]
-    engine = load_target(profile, context=max(len(e.tokens) for e in examples) + 1)
+    engine = load_target(profile, threads=threads, context=max(len(e.tokens) for e in examples) + 1)
     head = engine.model.head.weight if engine.model.head.weight is not None else engine.model.embed
     out, tensors = [], {}
     started = time.perf_counter()
@@ -279,7 +280,7 @@ def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=pri
     # computed (and cached) in load order, so another hold-out split reuses them
     layer = FINAL if cfg.hidden_source == "post_norm" else tcfg.n_layers - 1
     by_id = dict(zip((e.id for e in examples), compute_features(profile, examples, (layer,), cfg.top_k, state_dir,
-                                                                say)))
+                                                                say, cfg.threads)))
     train_seqs, eval_seqs = [by_id[e.id] for e in train_ex], [by_id[e.id] for e in eval_ex]
     vocab = choose_draft_vocab(train_seqs, cfg.draft_vocab, tcfg.vocab_size)
     to_sub = torch.arange(tcfg.vocab_size) if vocab is None else torch.full((tcfg.vocab_size,), -1, dtype=torch.long)

@@ -94,3 +94,29 @@ def test_training_is_deterministic_and_resumable(tiny, mtp_trained, profile, tmp
     assert "resuming from step 3" in capsys.readouterr().err
     want, got = load_file(str(reference / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_the_target_states_are_computed_on_the_runs_threads(monkeypatch, tmp_path):
+    """`--threads 1` holds for the target's feature pass too, not only for training: a run given
+    one core must not take the other while it computes the target's states."""
+    from specchat import loading
+    from specchat.profiles import load_profiles
+    from specchat.train.examples import Example
+    from specchat.train.mtp import compute_features
+
+    asked = {}
+
+    class Loaded(Exception):
+        pass
+
+    def load_target(profile, **changes):
+        asked.update(changes)
+        raise Loaded
+
+    monkeypatch.setattr(loading, "load_target", load_target)
+    target = load_profiles().get("smollm2")
+    assert target.threads == 0  # every core, unless the run says otherwise
+    example = Example("a", torch.arange(6), 2, torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 8))
+    with pytest.raises(Loaded):
+        compute_features(target, [example], (0,), 8, tmp_path, threads=1)
+    assert asked["threads"] == 1
