@@ -13,6 +13,7 @@ import pytest
 
 from specchat.backends.base import BackendError, Request, Sampling, Step, Summary, run_to_summary
 from specchat.backends.llamaserver.flags import speculation_args
+from specchat.verify import judge_replies
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test may build llama-server
 
@@ -69,8 +70,12 @@ def test_speculative_passes_and_metrics_are_consistent(ngram, plain):
     assert all(len(s.token_ids) == s.accepted + 1 for s in steps[:-1])
     assert any(s.accepted >= 2 for s in steps)  # a copy prompt: passes of several tokens, streamed as such
     assert last.accepted_per_position[0] <= last.drafts_per_position[0]
+    # llama.cpp verifies a draft in one batch, whose rounding differs from one-token passes: the
+    # speculative reply may part from target-only's, but only where the reference's own reported
+    # top-2 gap is a near-tie (on this prompt ' the' vs ' lazy' are 0.14 apart), as verify judges it.
     reference = run_to_summary(plain.stream(Request(messages=COPY), Sampling(max_tokens=48)))
-    assert last.token_ids == reference.token_ids  # greedy copying: llama.cpp keeps the reply here
+    verdict = judge_replies(plain, Request(messages=COPY), reference, last, Sampling(max_tokens=48), other_backend=ngram)
+    assert verdict.ok, verdict.line()
 
 
 def test_cancel_stops_the_reply_and_the_server_serves_the_next(plain):
