@@ -123,7 +123,9 @@ async def test_ab_identical_and_sequential(profiles_dir):
     ref = ScriptedBackend([REPLY], delay=0.003)
     app = ab_app(spec, ref, start_ab=True)
     async with app.run_test(size=(120, 32)) as pilot:
-        await wait_until(pilot, lambda: isinstance(app.screen, ABScreen), what="A/B")
+        # the screen is pushed before it is composed: wait for its widgets, not only its type
+        await wait_until(pilot, lambda: isinstance(app.screen, ABScreen) and app.screen.query("#ab-mode"),
+                         what="A/B")
         assert str(app.screen.query_one("#ab-mode").render()) == SEQUENTIAL_NOTE
         ab = await run_ab(pilot, app)
         assert ab.verdict.kind == "identical" and ab.verdict.line().startswith("identical")
