@@ -5,9 +5,8 @@ from pathlib import Path
 import pytest
 
 from specchat.backends.base import NO_SPEC_METRICS
-from specchat.tui.ab_screen import ABScreen
 from specchat.tui.app import SpecChatApp
-from tests.tui.conftest import wait_until
+from tests.tui.conftest import ab_open, wait_until
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
@@ -44,7 +43,7 @@ async def test_chat_on_a_remote_profile_says_the_server_reports_no_speculation(p
 async def test_ab_remote_against_local_engine_compares_by_text(profiles):
     app = SpecChatApp("remote", ab_reference="local", start_ab=True, history=False)
     async with app.run_test(size=(140, 34)) as pilot:
-        await wait_until(pilot, lambda: isinstance(app.screen, ABScreen) and app.screen.ready, timeout=60,
+        await wait_until(pilot, lambda: ab_open(app, ready=True), timeout=60,
                          what="A/B ready")
         ab = app.screen
         await send(pilot, "#ab-prompt", "What is the capital of France?")

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from specchat.backends.base import BackendError
+from specchat.tui.ab_screen import ABScreen
 
 PROFILES = {
     "spec": "backend: torch\nmodel: smollm2-135m-instruct\nspeculative:\n  method: ngram\n  depth: 4\n",
@@ -51,3 +52,11 @@ async def wait_until(pilot, predicate, timeout: float = 30.0, what: str = "condi
         if loop.time() > end:
             raise AssertionError(f"timed out waiting for {what}")
         await pilot.pause(0.02)
+
+
+def ab_open(app, ready: bool = False) -> bool:
+    """The A/B screen is up with its widgets (it is pushed before it is composed, and a loaded
+    suite once failed a query in between) and, with `ready`, its backends are loaded."""
+    s = app.screen
+    return (isinstance(s, ABScreen) and s.is_mounted and bool(s.query("#ab-prompt")) and bool(s.query("#ab-mode"))
+            and (s.ready or not ready))

@@ -3,10 +3,9 @@ turns are left out (said once in a notification), every prompt fits, history kee
 import pytest
 
 from specchat.history import History
-from specchat.tui.ab_screen import ABScreen
 from specchat.tui.app import SpecChatApp
 from tests.scripted import ScriptedBackend
-from tests.tui.conftest import Loader, wait_until
+from tests.tui.conftest import Loader, ab_open, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -65,7 +64,7 @@ async def test_the_ab_view_fits_both_sides_to_the_context(profiles_dir):
             app.conv.add("user", question(i))
             app.conv.add("assistant", REPLY)
         app.open_ab()
-        await wait_until(pilot, lambda: isinstance(app.screen, ABScreen) and app.screen.ready, what="A/B ready")
+        await wait_until(pilot, lambda: ab_open(app, ready=True), what="A/B ready")
         await submit(pilot, app, "#ab-prompt", "one more question")
         await wait_until(pilot, lambda: app.screen.verdict is not None, what="verdict")
         assert app.screen.verdict.kind == "identical"

@@ -4,7 +4,7 @@ import pytest
 from specchat.tui.ab_screen import ABScreen, SEQUENTIAL_NOTE, RACE_NOTE
 from specchat.tui.app import SpecChatApp
 from tests.scripted import ScriptedBackend
-from tests.tui.conftest import REPLY, Loader, wait_until
+from tests.tui.conftest import REPLY, Loader, ab_open, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -85,7 +85,7 @@ def ab_app(spec_backend, ref_backend, **kw):
 
 
 async def run_ab(pilot, app, prompt="compare"):
-    await wait_until(pilot, lambda: isinstance(app.screen, ABScreen) and app.screen.ready, what="A/B ready")
+    await wait_until(pilot, lambda: ab_open(app, ready=True), what="A/B ready")
     await type_and_send(pilot, "#ab-prompt", prompt)
     await wait_until(pilot, lambda: app.screen.verdict is not None, what="verdict")
     return app.screen
@@ -124,8 +124,7 @@ async def test_ab_identical_and_sequential(profiles_dir):
     app = ab_app(spec, ref, start_ab=True)
     async with app.run_test(size=(120, 32)) as pilot:
         # the screen is pushed before it is composed: wait for its widgets, not only its type
-        await wait_until(pilot, lambda: isinstance(app.screen, ABScreen) and app.screen.query("#ab-mode"),
-                         what="A/B")
+        await wait_until(pilot, lambda: ab_open(app), what="A/B")
         assert str(app.screen.query_one("#ab-mode").render()) == SEQUENTIAL_NOTE
         ab = await run_ab(pilot, app)
         assert ab.verdict.kind == "identical" and ab.verdict.line().startswith("identical")
@@ -188,7 +187,7 @@ async def test_ab_prompt_sent_while_reference_loads_runs_when_ready(profiles_dir
     loader = Loader({"spec": ScriptedBackend(["same words here"], accept=[1]), "spec:target-only": slow_ref})
     app = SpecChatApp("spec", loader=loader, start_ab=True)
     async with app.run_test(size=(120, 32)) as pilot:
-        await wait_until(pilot, lambda: isinstance(app.screen, ABScreen), what="A/B")
+        await wait_until(pilot, lambda: ab_open(app), what="A/B")
         ab = app.screen
         assert not ab.ready
         await type_and_send(pilot, "#ab-prompt", "early")

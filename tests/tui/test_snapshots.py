@@ -5,12 +5,11 @@ import pytest
 
 pytest.importorskip("pytest_textual_snapshot")
 
-from specchat.tui.ab_screen import ABScreen  # noqa: E402
 from specchat.tui.app import SpecChatApp  # noqa: E402
 from specchat.tui.chat_screen import summary_note  # noqa: E402
 from specchat.tui.widgets import AssistantMessage  # noqa: E402
 from tests.scripted import ScriptedBackend  # noqa: E402
-from tests.tui.conftest import Loader, wait_until  # noqa: E402
+from tests.tui.conftest import Loader, ab_open, wait_until  # noqa: E402
 
 REPLY = ("Speculative decoding has a small **drafter** guess tokens and the target checks them.\n\n"
          "```python\ndef speedup(accepted, cost):\n    return (1 + accepted) / (1 + cost)\n```\n\nThat's it.")
@@ -53,7 +52,7 @@ def test_ab_screen_snapshot(profiles_dir, snap_compare):
     app = SpecChatApp("spec", loader=Loader({"spec": spec, "spec:target-only": ref}), history=False, start_ab=True)
 
     async def run_before(pilot):
-        await wait_until(pilot, lambda: isinstance(app.screen, ABScreen) and app.screen.ready, what="A/B")
+        await wait_until(pilot, lambda: ab_open(app, ready=True), what="A/B")
         ab = app.screen
         await _send(pilot, "#ab-prompt", "Where did the cat sit?")
         await wait_until(pilot, lambda: ab.verdict is not None, what="verdict")
