@@ -36,6 +36,12 @@ BINARY = "llama-server"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON")
+# GGML_NATIVE builds ggml's AMX matrix multiply on a CPU that lists AMX, and that kernel faulted at its
+# first tile load (`ldtilecfg`, SIGSEGV in ggml_backend_amx_mul_mat while the server loads the model)
+# on an AMX Xeon where tiles work once the process asks the kernel for them: the server would stop
+# before it serves. Explicit -mno-amx-* win over -march=native, so the build keeps every other
+# native instruction and ggml takes its AVX512 paths instead.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 _PERCENT = re.compile(r"^\[\s*(\d+)%\]")
 PROGRESS_STEP = 5  # percent between two progress lines
 
@@ -50,8 +56,26 @@ def binding_version() -> str:
                            f"pip install {PACKAGE}") from None
 
 
+def cpu_lists_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+
+
+def cmake_flags() -> tuple[str, ...]:
+    """CMAKE_FLAGS, and on a CPU that lists AMX the flags that leave ggml's AMX kernel out (NO_AMX)."""
+    if not cpu_lists_amx():
+        return CMAKE_FLAGS
+    return (*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
+
+
 def build_dir(cache_dir: Path, version: Optional[str] = None) -> Path:
-    return Path(cache_dir) / BINARY / f"{version or binding_version()}-{cpu_tag()}"
+    """The build for this binding and CPU; "-noamx" where AMX is left out, so that a binary built
+    with ggml's AMX kernel before is not reused."""
+    suffix = "-noamx" if cpu_lists_amx() else ""
+    return Path(cache_dir) / BINARY / f"{version or binding_version()}-{cpu_tag()}{suffix}"
 
 
 def built_server(cache_dir: Path) -> Optional[Path]:
@@ -95,7 +119,7 @@ def ensure_llama_server(cache_dir: Path, progress: Optional[Progress] = None, jo
     shutil.copy2(built, part)
     os.replace(part, root / BINARY)
     (root / "build.json").write_text(json.dumps({"package": PACKAGE, "version": version, "cpu": cpu_tag(),
-                                                 "cmake_flags": list(CMAKE_FLAGS)}, indent=1))
+                                                 "cmake_flags": list(cmake_flags())}, indent=1))
     for scratch in (source, root / "build"):  # ~400 MB that only this build needed
         shutil.rmtree(scratch, ignore_errors=True)
     say(f"llama-server built: {root / BINARY}")
@@ -136,7 +160,7 @@ def extract_llama_cpp(archive: Path, version: str, dest: Path) -> None:
 def configure_and_build(source: Path, build: Path, say: Progress, jobs: int) -> None:
     log = build.parent / "build.log"
     with open(log, "a") as out:
-        steps = [("configuring llama.cpp", ["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS]),
+        steps = [("configuring llama.cpp", ["cmake", "-S", str(source), "-B", str(build), *cmake_flags()]),
                  ("building llama-server", ["cmake", "--build", str(build), "--target", BINARY, "-j", str(jobs)])]
         for label, cmd in steps:
             say(f"{label}…")

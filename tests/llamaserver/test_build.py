@@ -54,3 +54,15 @@ def test_only_the_vendored_llama_cpp_of_the_right_version_is_extracted(tmp_path)
     no_server = _sdist(tmp_path / "bad.tar.gz", "9.9.9", {"vendor/llama.cpp/CMakeLists.txt": "x"})
     with pytest.raises(BackendError, match="no .*tools/server"):
         build.extract_llama_cpp(no_server, "9.9.9", tmp_path / "bad")
+
+
+def test_on_a_cpu_listing_amx_ggml_amx_kernel_is_left_out_and_the_build_is_its_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "cpu_lists_amx", lambda: False)
+    plain_dir, plain_flags = build.build_dir(tmp_path, "1.0"), build.cmake_flags()
+    assert plain_flags == build.CMAKE_FLAGS
+    monkeypatch.setattr(build, "cpu_lists_amx", lambda: True)
+    flags = build.cmake_flags()
+    assert "-DGGML_NATIVE=ON" in flags  # every other native instruction stays
+    assert f"-DCMAKE_C_FLAGS={build.NO_AMX}" in flags and f"-DCMAKE_CXX_FLAGS={build.NO_AMX}" in flags
+    # a binary built with the AMX kernel earlier is never reused
+    assert build.build_dir(tmp_path, "1.0") != plain_dir
