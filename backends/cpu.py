@@ -51,16 +51,21 @@ def native_bfloat16() -> bool:
     return any(f is not None and f() for f in flags)
 
 
-def cpu_tag() -> str:
-    """A short digest of this CPU's architecture and feature flags (what native code is built for:
-    llama-server's GGML_NATIVE build, the compiled decode graphs' kernels)."""
-    flags = ""
+def cpu_flags() -> list[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (what -march=native sees); none where
+    that cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith(("flags", "Features")):
-                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                    break
+                    return line.split(":", 1)[1].split()
     except OSError:
         pass
+    return []
+
+
+def cpu_tag() -> str:
+    """A short digest of this CPU's architecture and feature flags (what native code is built for:
+    llama-server's GGML_NATIVE build, the compiled decode graphs' kernels)."""
+    flags = " ".join(sorted(cpu_flags()))
     return hashlib.sha256(f"{platform.machine()}|{flags}".encode()).hexdigest()[:10]

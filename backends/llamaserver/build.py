@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..base import BackendError
-from ..cpu import cpu_tag
+from ..cpu import cpu_flags, cpu_tag
 
 PACKAGE = "llama-cpp-python"
 BINARY = "llama-server"
@@ -57,11 +57,7 @@ def binding_version() -> str:
 
 
 def cpu_lists_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " amx_tile" in line for line in f)
-    except OSError:
-        return False
+    return "amx_tile" in cpu_flags()
 
 
 def cmake_flags() -> tuple[str, ...]:
