@@ -252,7 +252,7 @@ class CompiledRowGraphs:
         tensors = [m.embed, m.rope_cos, m.rope_sin, *m.cache.k, *m.cache.v, *m.parameters()]
         for layer in m.layers:
             for lin in (layer.attention.qkv, layer.attention.o, layer.mlp.gate_up, layer.mlp.down):
-                tensors += [lin.dense, *(lin.int4 or ())[:2]]
+                tensors += [lin.dense, lin.q4, *(lin.int4 or ())[:2]]
         for t in tensors:
             while isinstance(t, Tensor):  # and what it is a view of: dynamo traces views from their base
                 torch._dynamo.mark_static(t)

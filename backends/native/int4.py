@@ -53,15 +53,27 @@ Matrix = Tensor | Int4Rows
 
 
 def int4_linear(w: Matrix, bias: Tensor | None = None, dense_copy: bool = False) -> Linear:
-    """A Linear on torch's CPU int4 kernel (bfloat16 in and out); float weights are quantized.
+    """A Linear on specchat's 4-bit CPU kernel where it is built and the shape fits (q4_kernel.py),
+    else on torch's CPU int4 kernel (bfloat16 in and out); float weights are quantized.
     dense_copy: also keep the weights as bfloat16 for many-row passes (see `Linear`)."""
+    from . import q4_kernel
+
     w = w if isinstance(w, Int4Rows) else Int4Rows.quantize(w)
+    own = q4_kernel.fits(w) and q4_kernel.available()
+    dense = None
+    if dense_copy:  # from the scales and offsets the kernel itself uses
+        if own:
+            scale = w.scale.to(torch.float16).float()
+            offset = (w.zero.float() - 8 * w.scale.float()).to(torch.float16).float()
+            dense = w.q.float() * scale.repeat_interleave(INT4_GROUP, 1) + offset.repeat_interleave(INT4_GROUP, 1)
+        else:
+            scale, zero = (t.to(torch.bfloat16).float().repeat_interleave(INT4_GROUP, dim=1) for t in (w.scale, w.zero))
+            dense = (w.q.float() - 8) * scale + zero
+        dense = dense.to(torch.bfloat16)
+    if own:
+        return Linear(None, bias, q4=q4_kernel.pack(w), out=w.q.shape[0], dense=dense)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1)
     sz = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-    dense = None
-    if dense_copy:  # from the bfloat16 scales and zeros the kernel itself uses
-        scale, zero = (t.to(torch.bfloat16).float().repeat_interleave(INT4_GROUP, dim=1) for t in (w.scale, w.zero))
-        dense = ((w.q.float() - 8) * scale + zero).to(torch.bfloat16)
     return Linear(None, bias, int4=(packed, sz, INT4_GROUP), dense=dense)
 
 

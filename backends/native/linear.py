@@ -1,5 +1,5 @@
-"""`Linear`: y = x W^T (+ b), with W dense in the compute dtype, group-wise int4 on torch's CPU
-kernel, or float32 multiplied in row pairs (the LM head on CPU, whose rows must keep their bits
+"""`Linear`: y = x W^T (+ b), with W dense in the compute dtype, group-wise int4 on specchat's CPU
+kernel (q4_kernel.py) or torch's, or float32 multiplied in row pairs (the LM head on CPU, whose rows must keep their bits
 however many come: see exact_rows.py)."""
 from __future__ import annotations
 
@@ -29,13 +29,21 @@ class Linear(nn.Module):
     (prefill, non-strict verify). `pairwise`: float32 on CPU, computed as GEMMs of two rows."""
 
     def __init__(self, weight: Tensor | None, bias: Tensor | None = None, int4: tuple | None = None,
-                 pairwise: bool = False, dense: Tensor | None = None):
+                 pairwise: bool = False, dense: Tensor | None = None, q4: Tensor | None = None, out: int = 0):
+        """q4: the tiles of specchat's 4-bit kernel (q4_kernel.pack) for `out` output columns,
+        instead of `int4`; every row then has the same bits however many rows come."""
         super().__init__()
         self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.int4 = int4
+        self.q4, self.out = q4, out
         self.pairwise = pairwise
         self.dense = dense
+
+    @property
+    def quantized(self) -> bool:
+        """Whether W is 4-bit (on either kernel)."""
+        return self.int4 is not None or self.q4 is not None
 
     @property
     def dense_dtype(self) -> torch.dtype | None:
@@ -46,10 +54,13 @@ class Linear(nn.Module):
         """exact: each row as a single-token pass computes it (never the dense copy)."""
         if self.pairwise:
             return self._pairs(x)
-        if self.int4 is not None and (exact or self.dense is None or x.shape[0] < DENSE_MIN_ROWS):
-            packed, sz, group = self.int4
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
-        elif self.int4 is None:
+        if self.quantized and (exact or self.dense is None or x.shape[0] < DENSE_MIN_ROWS):
+            if self.q4 is not None:
+                y = torch.ops.specchat.q4_linear(x, self.q4, self.out)
+            else:
+                packed, sz, group = self.int4
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
+        elif not self.quantized:
             y = F.linear(x, self.weight)
         else:  # `.to` is a no-op where the copy is multiplied as it is
             y = F.linear(x.to(self.dense_dtype), self.dense.to(self.dense_dtype)).to(x.dtype)

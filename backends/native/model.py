@@ -207,11 +207,11 @@ class Transformer(nn.Module):
     @property
     def head_dtype(self) -> torch.dtype:
         # a property, not an attribute: see graph_store.py on what a module may hold
-        return torch.float32 if self.head.pairwise else (torch.bfloat16 if self.head.int4 else self.dtype)
+        return torch.float32 if self.head.pairwise else (torch.bfloat16 if self.head.quantized else self.dtype)
 
     @property
     def runs_int4(self) -> bool:
-        return any(m.int4 is not None for m in self.layers.modules() if isinstance(m, Linear))
+        return any(m.quantized for m in self.layers.modules() if isinstance(m, Linear))
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, start_pos: int, hidden_layers: tuple[int, ...] = (),

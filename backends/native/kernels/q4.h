@@ -1,0 +1,52 @@
+// Small-batch 4-bit matmul: y[M, N] = x[M, K] W[N, K]^T for M = 1..16 rows, W in 4-bit groups.
+//
+// Numerics (the same in every ISA file, so every path gives the reference's bits):
+//  - each row of x is quantized on its own, in blocks of 32, to int8 (llama.cpp's q8_1):
+//    d = max|x| / 127, q = round-to-nearest-even(x * (1 / d)), s = d * sum(q);
+//  - per output column n and block b, an exact int32 dot of the 4-bit weights and the int8 row;
+//  - then float32, blocks in order b = 0, 1, ...:  acc = fma(float(dot), d_w * d, acc);
+//                                                 acc = fma(m_w, s, acc)
+//    (w = d_w * q_w + m_w, q_w in 0..15, as GGUF Q4_1).
+// A row's result depends on nothing but that row and W: not on M, not on the thread count (work
+// is split over columns only, never over K), not on the ISA.
+#pragma once
+#include <cstdint>
+
+#define Q4_BLOCK 32  // weights per group along K
+#define Q4_COLS 16   // output columns per tile
+
+// One tile: 16 output columns x 32 inputs, 320 bytes, tiles of a column block consecutive in K.
+struct q4_tile {
+    // nibbles[64 g + 4 c + t], g = 0..3, c = column 0..15, t = 0..3:
+    //   low nibble  = q_w[c][4 g + t]        (k 0..15)
+    //   high nibble = q_w[c][16 + 4 g + t]   (k 16..31)
+    // so that the low (or high) nibbles of 64 bytes are one VNNI operand: 4 consecutive k of
+    // each of 16 columns, one 32-bit lane a column.
+    //   byte:   [c0: k0 k1 k2 k3][c1: k0 k1 k2 k3] ... [c15: k0 k1 k2 k3]   (g = 0, low nibbles)
+    uint8_t nibbles[256];
+    uint16_t d[Q4_COLS];  // float16 scale of each column's group
+    uint16_t m[Q4_COLS];  // float16 offset of each column's group
+};
+static_assert(sizeof(q4_tile) == 320, "wrong q4 tile size/padding");
+
+// A row of x quantized as above: q [K], d and s [K / 32].
+struct q8_row {
+    const int8_t* q;
+    const float* d;
+    const float* s;
+};
+
+// Columns 16 nb .. 16 nb + 15 of rows 0..M-1 (M <= 16): tiles of that column block [K / 32];
+// y[m * ldy + c] for c = 0..15.
+typedef void (*q4_block_fn)(const q4_tile* tiles, int kb, const q8_row* rows, int M, float* y, long ldy);
+
+void q4_block_ref(const q4_tile* tiles, int kb, const q8_row* rows, int M, float* y, long ldy);
+void q4_block_avx2(const q4_tile* tiles, int kb, const q8_row* rows, int M, float* y, long ldy);
+void q4_block_avx512vnni(const q4_tile* tiles, int kb, const q8_row* rows, int M, float* y, long ldy);
+
+// Quantize x [K] (K % 32 == 0) into q [K], d, s [K / 32] (q8_row's layout).
+typedef void (*q8_quantize_fn)(const float* x, int K, int8_t* q, float* d, float* s);
+
+void q8_quantize_ref(const float* x, int K, int8_t* q, float* d, float* s);
+void q8_quantize_avx2(const float* x, int K, int8_t* q, float* d, float* s);
+void q8_quantize_avx512vnni(const float* x, int K, int8_t* q, float* d, float* s);

@@ -1,0 +1,74 @@
+// q4.h's block on AVX512 with VNNI: one 32-bit lane per output column, vpdpbusd (u8 weights x
+// s8 activations, 4 products a lane) for the exact int32 dot; 8 rows share the unpacked weights.
+#pragma GCC target("avx512f,avx512bw,avx512vnni,avx512vl,fma,f16c")
+#include <immintrin.h>
+
+#include "q4.h"
+
+template <int M>
+static void rows_avx512(const q4_tile* tiles, int kb, const q8_row* rows, float* y, long ldy) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[M];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int b = 0; b < kb; b++) {
+        const q4_tile& t = tiles[b];
+        __m512i w[8];  // w[i]: k 4i..4i+3 of each column, unsigned
+        for (int g = 0; g < 4; g++) {
+            __m512i packed = _mm512_loadu_si512(t.nibbles + 64 * g);
+            w[g] = _mm512_and_si512(packed, low);
+            w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)t.d));
+        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)t.m));
+        // the int32 dots, rows interleaved and split into CH partial sums a row so that enough
+        // independent vpdpbusd chains are in flight (integer sums: exact in any order)
+        constexpr int CH = M < 4 ? 4 / M : 1;
+        __m512i dot[M * CH];
+        for (int j = 0; j < M * CH; j++) dot[j] = _mm512_setzero_si512();
+        for (int i = 0; i < 8; i++)
+            for (int m = 0; m < M; m++) {
+                const int32_t x4 = *(const int32_t*)(rows[m].q + b * Q4_BLOCK + 4 * i);
+                dot[m * CH + i % CH] = _mm512_dpbusd_epi32(dot[m * CH + i % CH], w[i], _mm512_set1_epi32(x4));
+            }
+        for (int m = 0; m < M; m++) {
+            __m512i sum = dot[m * CH];
+            for (int c = 1; c < CH; c++) sum = _mm512_add_epi32(sum, dot[m * CH + c]);
+            __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(rows[m].d[b]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[m]);
+            acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(rows[m].s[b]), acc[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) _mm512_storeu_ps(y + m * ldy, acc[m]);
+}
+
+void q4_block_avx512vnni(const q4_tile* tiles, int kb, const q8_row* rows, int M, float* y, long ldy) {
+    for (int m0 = 0; m0 < M; m0 += 8) {  // 8 rows at a time: accumulators and weights fit the registers
+        const q8_row* r = rows + m0;
+        float* out = y + m0 * ldy;
+        switch (M - m0 < 8 ? M - m0 : 8) {
+            case 1: rows_avx512<1>(tiles, kb, r, out, ldy); break;
+            case 2: rows_avx512<2>(tiles, kb, r, out, ldy); break;
+            case 3: rows_avx512<3>(tiles, kb, r, out, ldy); break;
+            case 4: rows_avx512<4>(tiles, kb, r, out, ldy); break;
+            case 5: rows_avx512<5>(tiles, kb, r, out, ldy); break;
+            case 6: rows_avx512<6>(tiles, kb, r, out, ldy); break;
+            case 7: rows_avx512<7>(tiles, kb, r, out, ldy); break;
+            default: rows_avx512<8>(tiles, kb, r, out, ldy); break;
+        }
+    }
+}
+
+void q8_quantize_avx512vnni(const float* x, int K, int8_t* q, float* d, float* s) {
+    for (int b = 0; b < K / Q4_BLOCK; b++) {
+        __m512 lo = _mm512_loadu_ps(x + b * Q4_BLOCK), hi = _mm512_loadu_ps(x + b * Q4_BLOCK + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        float scale = amax / 127.0f, inv = amax > 0.0f ? 1.0f / scale : 0.0f;
+        const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m512i qlo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(lo, _mm512_set1_ps(inv)), round));
+        __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, _mm512_set1_ps(inv)), round));
+        _mm_storeu_si128((__m128i*)(q + b * Q4_BLOCK), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i*)(q + b * Q4_BLOCK + 16), _mm512_cvtepi32_epi8(qhi));
+        d[b] = scale;
+        s[b] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+}

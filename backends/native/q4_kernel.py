@@ -1,0 +1,96 @@
+"""specchat's own 4-bit matmul for CPU decode (kernels/q4.h): `Int4Rows` packed once into tiles,
+then `torch.ops.specchat.q4_linear(x, tiles, n)` for any number of rows.
+
+Why our own: torch's int4 kernel redoes its arithmetic for every row of a verify block (~14% of a
+pass a row) and ties its results to how many rows come. This one unpacks each weight tile once
+for up to 8 rows and multiplies with int8 dot products (llama.cpp's q8_1 activations), and a row's
+result has the same bits however many rows come, however many threads run, on every ISA
+(tests/native/test_q4_kernel.py). Re-measure: scripts/q4_kernel_bench.py.
+
+The C++ is compiled once per torch version and source (about half a minute; torch's extension
+cache, ~/.cache/torch_extensions) when an int4 model first loads. Where it cannot be built, or
+with SPECCHAT_Q4_KERNEL=0, the engine runs torch's int4 kernel as before, said in one line.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .int4 import INT4_GROUP, Int4Rows
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("q4_op.cpp", "q4_ref.cpp", "q4_avx2.cpp", "q4_avx512vnni.cpp")
+KERNEL_DIR = Path(__file__).parent / "kernels"
+TILE_COLS = 16
+TILE_BYTES = 320  # sizeof(q4_tile): 256 bytes of nibbles, 16 float16 scales, 16 float16 offsets
+
+
+def disabled() -> bool:
+    return os.environ.get("SPECCHAT_Q4_KERNEL", "1").strip().lower() in ("0", "off", "false", "no")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether torch.ops.specchat.q4_linear can run here: built (or loaded from torch's extension
+    cache) on first use; False, with one line said, where it cannot be."""
+    if disabled():
+        return False
+    if not hasattr(torch.ops.specchat, "q4_linear"):
+        try:
+            from torch.utils import cpp_extension
+
+            cpp_extension.load(name="specchat_q4", sources=[str(KERNEL_DIR / s) for s in SOURCES],
+                               extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                               is_python_module=False,
+                               verbose=False)
+        except Exception as e:  # noqa: BLE001 - no compiler, no headers, a build error: fall back
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            why = next((line for line in lines if "error:" in line), lines[0])[:200]
+            log.warning("specchat's 4-bit CPU kernel could not be built (%s); using torch's int4 kernel", why)
+            return False
+    _register_fake()
+    return True
+
+
+def isa() -> str:
+    """The instruction set the kernel runs on here (avx512vnni, avx2 or ref)."""
+    return torch.ops.specchat.q4_isa()
+
+
+def _register_fake() -> None:
+    if getattr(_register_fake, "done", False):
+        return
+
+    @torch.library.register_fake("specchat::q4_linear")
+    def _(x: Tensor, tiles: Tensor, n: int) -> Tensor:
+        return x.new_empty(*x.shape[:-1], n)
+
+    _register_fake.done = True
+
+
+def fits(w: Int4Rows) -> bool:
+    return w.q.shape[0] % TILE_COLS == 0 and w.q.shape[1] % INT4_GROUP == 0
+
+
+def pack(w: Int4Rows) -> Tensor:
+    """Int4Rows [N, K] -> tiles, uint8 [N / 16, K / 32, 320] (kernels/q4.h's q4_tile): w = d q + m
+    with d = scale, m = zero - 8 scale, both float16."""
+    N, K = w.q.shape
+    nb, kb = N // TILE_COLS, K // INT4_GROUP
+    # q[n, k] as [nb, c, kb, h, g, t]: n = 16 nb + c, k = 32 kb + 16 h + 4 g + t
+    q = w.q.view(nb, TILE_COLS, kb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [nb, kb, h, g, c, t]
+    nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(nb, kb, 256)
+
+    def per_tile(t: Tensor) -> Tensor:  # [N, kb] float -> [nb, kb, 32] bytes of float16
+        return t.to(torch.float16).view(nb, TILE_COLS, kb).transpose(1, 2).contiguous().view(torch.uint8)
+
+    scale = w.scale.float()
+    offset = w.zero.float() - 8 * scale
+    return torch.cat([nibbles, per_tile(scale), per_tile(offset)], dim=-1).contiguous()
+

@@ -1,0 +1,111 @@
+"""specchat's 4-bit CPU kernel (backends/native/q4_kernel.py, kernels/): every row's result has the
+bits of a one-row call whatever the number of rows, the thread count and the ISA; it stays close
+to the float product of the same weights; the engine falls back to torch's kernel without it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specchat.backends.native import q4_kernel
+from specchat.backends.native.int4 import Int4Rows, int4_linear
+
+pytestmark = pytest.mark.skipif(not q4_kernel.available(), reason="the 4-bit kernel could not be built here")
+
+
+def isas() -> list[str]:
+    return list(torch.ops.specchat.q4_isas())
+
+
+def weights(n: int, k: int, seed: int) -> Int4Rows:
+    g = torch.Generator().manual_seed(seed)
+    return Int4Rows.quantize(torch.randn(n, k, generator=g) * 0.05)
+
+
+def rows(m: int, k: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+    x[:, :32] = 0.0 if m > 2 else x[:, :32]  # an all-zero block (scale 0) in every row of some calls
+    return x.to(dtype)
+
+
+def test_the_chosen_isa_is_the_best_available():
+    assert q4_kernel.isa() == isas()[0]
+    assert "ref" in isas()
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 16), nb=st.integers(1, 6), kb=st.integers(1, 8), seed=st.integers(0, 2**16),
+       threads=st.sampled_from([1, 2]), dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_each_row_has_its_one_row_bits_on_every_isa(m, nb, kb, seed, threads, dtype):
+    w = weights(16 * nb, 32 * kb, seed)
+    tiles, x = q4_kernel.pack(w), rows(m, 32 * kb, seed, dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        oracle = torch.cat([torch.ops.specchat.q4_linear_on(x[i:i + 1], tiles, 16 * nb, "ref") for i in range(m)])
+        for isa in isas():
+            block = torch.ops.specchat.q4_linear_on(x, tiles, 16 * nb, isa)
+            assert block.dtype == dtype and block.shape == (m, 16 * nb)
+            assert torch.equal(block, oracle), isa
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rows_past_sixteen_and_leading_dims():
+    w = weights(64, 256, 3)
+    tiles, x = q4_kernel.pack(w), rows(37, 256, 3)
+    whole = torch.ops.specchat.q4_linear(x, tiles, 64)
+    assert torch.equal(whole[20:21], torch.ops.specchat.q4_linear(x[20:21], tiles, 64))
+    assert torch.equal(torch.ops.specchat.q4_linear(x.view(1, 37, 256), tiles, 64)[0], whole)
+
+
+def test_close_to_the_float_product_of_the_same_weights():
+    """int8 activations round each block to 1/254 of its largest value: the error against the
+    float product stays within a small share of the product's own size."""
+    w = weights(256, 1536, 5)
+    x = rows(8, 1536, 5, torch.float32)
+    y = torch.ops.specchat.q4_linear(x, q4_kernel.pack(w), 256)
+    exact = x @ w.dequantize().T
+    rel = (y - exact).norm(dim=1) / exact.norm(dim=1)
+    assert float(rel.max()) < 0.01
+
+
+def test_packing_keeps_every_nibble_and_scale():
+    """A one-hot row picks out each weight: the kernel reads back every column's 32 values of a
+    group (as d q + m, up to the one-hot row's own exact int8 quantization)."""
+    w = weights(32, 64, 9)
+    tiles = q4_kernel.pack(w)
+    for k in (0, 3, 4, 15, 16, 17, 31, 32, 63):
+        x = torch.zeros(1, 64)
+        x[0, k] = 1.0
+        got = torch.ops.specchat.q4_linear_on(x, tiles, 32, "ref")[0]
+        assert torch.allclose(got, w.dequantize()[:, k], atol=2e-3, rtol=2e-3), k
+
+
+def test_a_linear_runs_on_it_and_falls_back_without_it(monkeypatch):
+    w = weights(64, 128, 1)
+    x = rows(3, 128, 1)
+    own = int4_linear(w)
+    assert own.q4 is not None and own.int4 is None
+    assert torch.equal(own(x), torch.ops.specchat.q4_linear(x, own.q4, 64))
+    monkeypatch.setattr(q4_kernel, "available", lambda: False)
+    torch_kernel = int4_linear(w)
+    assert torch_kernel.q4 is None and torch_kernel.int4 is not None
+    assert torch.allclose(torch_kernel(x).float(), own(x).float(), atol=0.05, rtol=0.05)
+
+
+def test_the_disabling_variable_is_read(monkeypatch):
+    monkeypatch.setenv("SPECCHAT_Q4_KERNEL", "0")
+    assert q4_kernel.disabled()
+    monkeypatch.setenv("SPECCHAT_Q4_KERNEL", "1")
+    assert not q4_kernel.disabled()
+
+
+def test_a_compiled_graph_calls_it():
+    w = weights(32, 64, 2)
+    lin = int4_linear(w)
+    f = torch.compile(lambda x: torch.nn.functional.silu(lin(x)), fullgraph=True, dynamic=True)
+    x = rows(5, 64, 2)
+    assert torch.equal(f(x), torch.nn.functional.silu(lin(x)))
