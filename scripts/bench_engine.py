@@ -51,12 +51,15 @@ def weight_bytes_per_token(model) -> int:
     with an int8 argmax head, its int8 rows and not the float32 head)."""
     total = 0
     if model.argmax_head is not None:
-        total += model.argmax_head.q.numel() + 2 * model.argmax_head.scale.numel()
+        head = model.argmax_head
+        total += (head.q if head.tiles is None else head.tiles).numel() + 2 * head.scale.numel()
     heads = [] if model.argmax_head is not None else [model.head]
     matmuls = [m for layer in model.layers for m in (layer.attention.qkv, layer.attention.o, layer.mlp.gate_up,
                                                      layer.mlp.down)]
     for lin in matmuls + heads:
-        if lin.int4 is not None:
+        if lin.q4 is not None:  # specchat's kernel: its tiles
+            total += lin.q4.numel()
+        elif lin.int4 is not None:
             packed, sz, _ = lin.int4
             total += packed.numel() * packed.element_size() + sz.numel() * sz.element_size()
         else:

@@ -4,10 +4,11 @@ A float32 head over a 50k-token vocabulary is a large share of a small model's d
 decoding only needs its argmax, and temperature sampling (Gumbel-max, see sampling.py) the
 argmax of logits / T plus noise, so:
 
-1. an int8 copy of the head (one scale per row, torch's int8 kernel with bfloat16 activations,
-   several times faster) gives approximate logits A;
+1. an int8 copy of the head (one scale per row) gives approximate logits A: on specchat's kernel
+   (q4_kernel.py: int8 activations in blocks of 32, float32 out) where it is built, else on
+   torch's int8 kernel with bfloat16 activations; several times faster either way;
 2. a rigorous bound E on |A - float32 logits| per entry (Cauchy-Schwarz on the weight and
-   activation rounding, plus float32 accumulation and the kernel's bfloat16 output);
+   activation rounding, plus float32 accumulation and, on torch's kernel, its bfloat16 output);
 3. every token whose score could still be the best ((A + E) / T + noise >= max((A - E) / T +
    noise): about ten per row when greedy, several hundred at T = 0.7) gets its logit recomputed in
    float32 from the exact weights, and its score with the sampler's own arithmetic.
@@ -33,18 +34,22 @@ _SCORE_SLACK = 1e-5  # relative margin in score comparisons
 
 
 def for_head(weight: Tensor, final_norm: Tensor) -> "ArgmaxHead | None":
-    """An ArgmaxHead for this float32 head, if this torch has the int8 kernel and the kernel keeps
-    to the arithmetic the bound assumes on states like the model's (random, after its final norm)."""
-    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+    """An ArgmaxHead for this float32 head, if an int8 kernel is here (specchat's or torch's) and it
+    keeps to the arithmetic the bound assumes on states like the model's (random, after its final norm)."""
+    from . import q4_kernel
+
+    own = weight.device.type == "cpu" and q4_kernel.head_fits(weight) and q4_kernel.available()
+    if not own and not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         return None
-    head = ArgmaxHead(weight)
+    head = ArgmaxHead(weight, own)
     probe = torch.randn(8, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.device)
     return head if head.within_bound(probe * final_norm.float()) else None
 
 
 class ArgmaxHead:
-    def __init__(self, weight: Tensor):
-        """weight: the float32 head [vocab, dim] on CPU (kept by reference, not copied)."""
+    def __init__(self, weight: Tensor, own_kernel: bool = False):
+        """weight: the float32 head [vocab, dim] on CPU (kept by reference, not copied);
+        own_kernel: the int8 logits from specchat's kernel (q4_kernel.py), else torch's."""
         w = weight.float()
         self.weight = w
         self.scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
@@ -61,6 +66,14 @@ class ArgmaxHead:
             self.norms[1, rows] = torch.maximum(part.norm(dim=1), approx.norm(dim=1)) * _SLACK
         # float32 accumulation over `dim` products, once in the kernel and once in the recomputation
         self.gamma = 2 * w.shape[1] * torch.finfo(torch.float32).eps
+        self.tiles = None
+        if own_kernel:
+            from .q4_kernel import pack_head
+
+            self.tiles, self.scale32 = pack_head(self.q), self.scale.float()
+            self.q = None  # the tiles hold the same int8 weights
+            # specchat's kernel sums a row's blocks in float32 (one fma a block) and scales once
+            self.own_gamma = (w.shape[1] // 32 + 2) * torch.finfo(torch.float32).eps
 
     def choose(self, states: Tensor, positions: Sequence[int], s: Sampling,
                full_head: Callable[[Tensor, Sequence[int]], Tensor] | None = None) -> Tensor:
@@ -106,6 +119,22 @@ class ArgmaxHead:
         return out
 
     def _approx(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self._approx_own(x) if self.tiles is not None else self._approx_torch(x)
+
+    def _approx_own(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """specchat's kernel: x quantized to x8 (int8 blocks), so the logits' distance from the
+        float32 logits is, per token, at most ||x8|| ||w - w_int8|| (weight rounding) +
+        (||x - x8|| + gamma ||x|| + own_gamma ||x8||) max(||w||, ||w_int8||) (activation rounding,
+        the float32 head's accumulation, the kernel's own); every row on its own, its bits
+        independent of the others'."""
+        logits, norms = torch.ops.specchat.q8_head(x, self.tiles, self.scale32)  # norms: ||x8||, ||x - x8||
+        x_norm = x.norm(dim=1) * _SLACK
+        weight_term = torch.maximum(norms[:, 0], x_norm)
+        act = norms[:, 1] + self.gamma * x_norm + self.own_gamma * norms[:, 0]
+        coeff = torch.stack([weight_term, act], 1) * _SLACK
+        return logits, coeff @ self.norms
+
+    def _approx_torch(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """The int8 head's logits and the bound on their distance from the float32 logits: per token,
         ||x|| ||w - w_int8|| (weight rounding) + (||x - x_bf16|| + gamma max(||x||, ||x_bf16||)) ||w||
         (activation rounding, float32 accumulation) + 2^-8 |logit| (the kernel's bfloat16 output)."""

@@ -126,7 +126,7 @@ class TorchBackend(Backend):
         self.compile_planned = self.device.type == "cpu" and compile and self.precision in ROW_INVARIANT_PRECISIONS
         self.graph_store = None if cache_dir is None or not self.compile_planned else GraphStore(
             cache_dir, path, dict(precision=self.precision, context=self._context, rollback=self.rollback,
-                                  attention=self.model.attention_mode))
+                                  attention=self.model.attention_mode, kernel=self.model.kernel))
         self.in_background = compile_in_background and self.graph_store is not None
         self.wanted: list[Variant] = []  # the graphs asked for so far (warm_up)
         self.background_planned = False  # graphs to prepare in the background (prepare_in_background)

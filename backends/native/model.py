@@ -210,6 +210,16 @@ class Transformer(nn.Module):
         return torch.float32 if self.head.pairwise else (torch.bfloat16 if self.head.quantized else self.dtype)
 
     @property
+    def kernel(self) -> str:
+        """Which 4-bit kernel the layers run on: "specchat-<isa>", "torch" or "none"."""
+        lin = next((m for m in self.layers.modules() if isinstance(m, Linear) and m.quantized), None)
+        if lin is None:
+            return "none"
+        from .q4_kernel import isa
+
+        return f"specchat-{isa()}" if lin.q4 is not None else "torch"
+
+    @property
     def runs_int4(self) -> bool:
         return any(m.quantized for m in self.layers.modules() if isinstance(m, Linear))
 

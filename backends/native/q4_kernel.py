@@ -7,15 +7,17 @@ for up to 8 rows and multiplies with int8 dot products (llama.cpp's q8_1 activat
 result has the same bits however many rows come, however many threads run, on every ISA
 (tests/native/test_q4_kernel.py). Re-measure: scripts/q4_kernel_bench.py.
 
-The C++ is compiled once per torch version and source (about half a minute; torch's extension
-cache, ~/.cache/torch_extensions) when an int4 model first loads. Where it cannot be built, or
+The C++ is compiled once per torch version and source (10-20 s on 2 cores, into torch's extension
+cache, ~/.cache/torch_extensions) when an int4 model first loads; later starts load the library. Where it cannot be built, or
 with SPECCHAT_Q4_KERNEL=0, the engine runs torch's int4 kernel as before, said in one line.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -37,18 +39,16 @@ def disabled() -> bool:
 
 @functools.cache
 def available() -> bool:
-    """Whether torch.ops.specchat.q4_linear can run here: built (or loaded from torch's extension
-    cache) on first use; False, with one line said, where it cannot be."""
+    """Whether torch.ops.specchat.q4_linear can run here: loaded from the build cache, else built
+    there first; False, with one line said, where it cannot be."""
     if disabled():
         return False
     if not hasattr(torch.ops.specchat, "q4_linear"):
         try:
-            from torch.utils import cpp_extension
-
-            cpp_extension.load(name="specchat_q4", sources=[str(KERNEL_DIR / s) for s in SOURCES],
-                               extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                               is_python_module=False,
-                               verbose=False)
+            library = build_dir() / f"{NAME}.so"
+            if not library.exists():  # once per source and torch version; later starts only load it
+                _build(library.parent)
+            torch.ops.load_library(str(library))
         except Exception as e:  # noqa: BLE001 - no compiler, no headers, a build error: fall back
             lines = str(e).strip().splitlines() or [type(e).__name__]
             why = next((line for line in lines if "error:" in line), lines[0])[:200]
@@ -56,6 +56,29 @@ def available() -> bool:
             return False
     _register_fake()
     return True
+
+
+NAME = "specchat_q4"
+FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+
+
+def build_dir() -> Path:
+    """Where the built library lies: torch's extension cache, in a folder named by a digest of the
+    sources, the flags and torch's version (a changed source is a new folder, never a stale load)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    h = hashlib.sha256(f"{torch.__version__}|{sys.version}|{FLAGS}".encode())
+    for path in sorted(KERNEL_DIR.iterdir()):
+        h.update(path.name.encode() + path.read_bytes())
+    return Path(get_default_build_root()) / f"{NAME}-{h.hexdigest()[:16]}"
+
+
+def _build(directory: Path) -> None:
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=NAME, sources=[str(KERNEL_DIR / s) for s in SOURCES], extra_cflags=FLAGS,
+                       extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False)
 
 
 def isa() -> str:
@@ -70,6 +93,11 @@ def _register_fake() -> None:
     @torch.library.register_fake("specchat::q4_linear")
     def _(x: Tensor, tiles: Tensor, n: int) -> Tensor:
         return x.new_empty(*x.shape[:-1], n)
+
+    @torch.library.register_fake("specchat::q8_head")
+    def _(x: Tensor, tiles: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+        rows = x.numel() // x.shape[-1]
+        return x.new_empty(rows, scale.shape[0], dtype=torch.float32), x.new_empty(rows, 2, dtype=torch.float32)
 
     _register_fake.done = True
 
@@ -94,3 +122,15 @@ def pack(w: Int4Rows) -> Tensor:
     offset = w.zero.float() - 8 * scale
     return torch.cat([nibbles, per_tile(scale), per_tile(offset)], dim=-1).contiguous()
 
+
+
+def pack_head(q: Tensor) -> Tensor:
+    """An int8 head [V, K] (-127..127) -> tiles, uint8 [V / 16, K / 32, 512] (kernels/q4.h's
+    q8_tile): 4 consecutive k of 16 rows in each 64 bytes, as unsigned (W + 128)."""
+    V, K = q.shape
+    w = (q.to(torch.int16) + 128).to(torch.uint8).view(V // 16, 16, K // INT4_GROUP, 8, 4)
+    return w.permute(0, 2, 3, 1, 4).reshape(V // 16, K // INT4_GROUP, 512).contiguous()
+
+
+def head_fits(q: Tensor) -> bool:
+    return q.shape[0] % 16 == 0 and q.shape[1] % INT4_GROUP == 0

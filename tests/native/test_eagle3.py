@@ -185,7 +185,7 @@ def test_head_on_an_int4_target_runs_the_int4_kernel(tiny_ggufs, tiny_dirs, tmp_
     target = engine(tiny_ggufs["Q4_1"], "int4")
     head = Eagle3Head(read_eagle3(make_eagle3_checkpoint(tmp_path / "e", tiny_dirs["llama"]), target.model.cfg),
                       target.model, 64)
-    assert head.fc.int4 is not None and head.layer.attention.qkv.int4 is not None and head.out.head.int4 is not None
+    assert head.fc.quantized and head.layer.attention.qkv.quantized and head.out.head.quantized
     o = head.forward(head.fuse({i: torch.randn(3, 64) for i in head.hidden_layers}, torch.tensor([4, 5, 6])),
                      torch.tensor([5, 6, 7]), 0)
     assert torch.isfinite(head.logits(o)[:, head.out.ids]).all()

@@ -14,6 +14,11 @@ from tests.native.tiny import LAYOUTS
 FP32_TOL = 1e-4  # max abs logit difference, float32 vs transformers float32 (logits are O(10))
 MESSAGES = [{"role": "user", "content": "hello world, how are you today?"}]
 
+# Mean |logit difference| allowed between the 4-bit kernel's passes and the bfloat16 copy's on the
+# tiny checkpoint: 0.05 for torch's kernel (bfloat16 activations), ~0.06 seen with specchat's
+# (int8 activations in blocks of 32, as llama.cpp multiplies Q4 weights)
+INT8_ACTIVATIONS_MEAN = 0.08
+
 
 @pytest.fixture(scope="module")
 def pairs(tiny_dirs):
@@ -139,7 +144,7 @@ def test_exact_rows_across_an_attention_pad_boundary(tiny_ggufs, context):
     assert torch.equal(block_logits, singles)
     unpadded = TorchBackend(tiny_ggufs["Q4_1"], precision="int4", context=context)
     prefill, _ = unpadded.forward(prefix + block, 0)  # one causal pass: bfloat16 activations, other rounding
-    assert (block_logits - prefill[-len(block):]).abs().mean() < 0.05
+    assert (block_logits - prefill[-len(block):]).abs().mean() < INT8_ACTIVATIONS_MEAN
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "int4"])
@@ -193,8 +198,10 @@ def test_int4_prefill_runs_on_a_dense_copy_and_verify_rows_never_do(tiny_ggufs, 
         engine.truncate(0)
         dense_prefill, _ = engine.forward(ids, 0)
         assert not torch.equal(dense_prefill, int4_prefill)  # really another kernel...
-        diff = (dense_prefill - int4_prefill).abs()  # ...for the same weights (bfloat16 rounding apart)
-        assert diff.max() < 0.5 and diff.mean() < 0.05
+        # ...for the same weights: bfloat16 rounding apart, and specchat's kernel's int8 activations
+        # (llama.cpp's own rounding of them: docs/results.md, the kernel's accuracy)
+        diff = (dense_prefill - int4_prefill).abs()
+        assert diff.max() < 0.6 and diff.mean() < INT8_ACTIVATIONS_MEAN
 
     block = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
     assert len(block) >= DENSE_MIN_ROWS
@@ -206,7 +213,7 @@ def test_int4_prefill_runs_on_a_dense_copy_and_verify_rows_never_do(tiny_ggufs, 
     singles = torch.cat([engine.forward([t], len(ids) + i)[0] for i, t in enumerate(block)])
     assert torch.equal(block_logits, singles)
     # the caches differ only by the prefill's kernel, so the rows are close, not equal
-    assert (block_logits - reference).abs().mean() < 0.05
+    assert (block_logits - reference).abs().mean() < INT8_ACTIVATIONS_MEAN
 
 
 def test_prefill_from_zero_equals_a_prefill_in_two_parts(tiny_ggufs):

@@ -163,7 +163,7 @@ def test_head_on_an_int4_target_runs_the_int4_kernel(tiny_dirs, tiny_ggufs, tmp_
     assert int4.model.runs_int4 and not dense.model.runs_int4
     heads = [MtpHead(read_mtp(ckpt, e.model.cfg), e.model, 64) for e in (int4, dense)]
     layer = heads[0].layers[0]["layer"]
-    assert all(lin.int4 is not None for lin in (layer.attention.qkv, layer.attention.o, layer.mlp.gate_up,
+    assert all(lin.quantized for lin in (layer.attention.qkv, layer.attention.o, layer.mlp.gate_up,
                                                 layer.mlp.down, heads[0].layers[0]["proj"]))
     torch.manual_seed(0)
     hidden, tokens = torch.randn(5, int4.model.cfg.dim), torch.tensor([3, 9, 4, 1, 7])

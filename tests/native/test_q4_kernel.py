@@ -109,3 +109,30 @@ def test_a_compiled_graph_calls_it():
     f = torch.compile(lambda x: torch.nn.functional.silu(lin(x)), fullgraph=True, dynamic=True)
     x = rows(5, 64, 2)
     assert torch.equal(f(x), torch.nn.functional.silu(lin(x)))
+
+
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(1, 16), vb=st.integers(1, 4), kb=st.integers(1, 6), seed=st.integers(0, 2**16),
+       threads=st.sampled_from([1, 2]))
+def test_each_head_row_has_its_one_row_bits_on_every_isa(m, vb, kb, seed, threads):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (16 * vb, 32 * kb), generator=g, dtype=torch.int8)
+    scale = torch.rand(16 * vb, generator=g) * 0.01
+    tiles, x = q4_kernel.pack_head(q), rows(m, 32 * kb, seed, torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        oracle = [torch.ops.specchat.q8_head_on(x[i:i + 1], tiles, scale, "ref") for i in range(m)]
+        for isa in isas():
+            logits, norms = torch.ops.specchat.q8_head_on(x, tiles, scale, isa)
+            assert torch.equal(logits, torch.cat([o[0] for o in oracle])), isa
+            assert torch.equal(norms, torch.cat([o[1] for o in oracle])), isa
+    finally:
+        torch.set_num_threads(before)
+    w = q.float() * scale[:, None]
+    exact = x.double() @ w.double().T
+    # the activations' rounding is what the norms say: a logit moves by at most ||x - x8|| ||w||,
+    # plus float32 summation
+    bound = norms[:, 1:].double() * w.double().norm(dim=1)[None, :] + 1e-5 * (x.norm(dim=1)[:, None].double() *
+                                                                              w.double().norm(dim=1)[None, :])
+    assert bool(((logits.double() - exact).abs() <= bound).all())

@@ -253,7 +253,7 @@ def test_drafter_on_an_int4_target_runs_int4_and_keeps_parity(tmp_path):
     target = TorchBackend(make_gguf(tmp_path / "t.gguf", hf, "Q4_1"), precision="int4", threads=2, context=256)
     drafter = drafter_for(target, make_dflash_checkpoint(tmp_path / "d", hf, block_size=4, head_dim=16, heads=4,
                                                          kv_heads=2, seed=42, target_layer_ids=(0, 1)))
-    assert drafter.model.layers[0].mlp.gate_up.int4 is not None and drafter.head.int4 is not None
+    assert drafter.model.layers[0].mlp.gate_up.quantized and drafter.head.quantized
     spec = SpeculativeBackend(target, drafter, 3, strict=True)
     for sampling in SAMPLINGS[:2]:
         request = Request(messages=PROMPTS[1])

@@ -169,7 +169,7 @@ def test_draft_model_on_an_int4_target_guesses_with_an_int4_head(tmp_path):
     (tmp_path / "p.yaml").write_text(f"backend: torch\nmodel: {gguf}\nthreads: 2\ncontext: 256\n"
                                      f"speculative: {{method: draft, drafter: {draft}, depth: 3}}\n")
     spec = load_speculative(load_profile_file(tmp_path / "p.yaml"))
-    assert spec.target.model.runs_int4 and spec.drafter.engine.model.head.int4 is not None
+    assert spec.target.model.runs_int4 and spec.drafter.engine.model.head.quantized
     request, sampling = Request(messages=[{"role": "user", "content": "hello there"}]), Sampling(max_tokens=30)
     ref = run_to_summary(fresh(spec.target).stream(request, sampling))
     assert run_to_summary(fresh(spec).stream(request, sampling)).token_ids == ref.token_ids

@@ -29,11 +29,12 @@ struct q4_tile {
 };
 static_assert(sizeof(q4_tile) == 320, "wrong q4 tile size/padding");
 
-// A row of x quantized as above: q [K], d and s [K / 32].
+// A row of x quantized as above: q [K]; d, s and the blocks' integer sums [K / 32].
 struct q8_row {
     const int8_t* q;
     const float* d;
     const float* s;
+    const int32_t* sum;
 };
 
 // Columns 16 nb .. 16 nb + 15 of rows 0..M-1 (M <= 16): tiles of that column block [K / 32];
@@ -44,9 +45,30 @@ void q4_block_ref(const q4_tile* tiles, int kb, const q8_row* rows, int M, float
 void q4_block_avx2(const q4_tile* tiles, int kb, const q8_row* rows, int M, float* y, long ldy);
 void q4_block_avx512vnni(const q4_tile* tiles, int kb, const q8_row* rows, int M, float* y, long ldy);
 
-// Quantize x [K] (K % 32 == 0) into q [K], d, s [K / 32] (q8_row's layout).
-typedef void (*q8_quantize_fn)(const float* x, int K, int8_t* q, float* d, float* s);
+// Quantize x [K] (K % 32 == 0) into q [K], d, s, sum [K / 32] (q8_row's layout).
+typedef void (*q8_quantize_fn)(const float* x, int K, int8_t* q, float* d, float* s, int32_t* sum);
 
-void q8_quantize_ref(const float* x, int K, int8_t* q, float* d, float* s);
-void q8_quantize_avx2(const float* x, int K, int8_t* q, float* d, float* s);
-void q8_quantize_avx512vnni(const float* x, int K, int8_t* q, float* d, float* s);
+void q8_quantize_ref(const float* x, int K, int8_t* q, float* d, float* s, int32_t* sum);
+void q8_quantize_avx2(const float* x, int K, int8_t* q, float* d, float* s, int32_t* sum);
+void q8_quantize_avx512vnni(const float* x, int K, int8_t* q, float* d, float* s, int32_t* sum);
+
+// ---- the LM head's approximate logits (argmax_head.py) ----
+// W [V, K] int8 (-127..127) with one float32 scale a row; x quantized as above. Per row v and
+// block b an exact int32 dot, then float32 over blocks in order: acc = fma(float(dot), d, acc);
+// logit = acc * scale[v].
+struct q8_tile {
+    // w[64 i + 4 r + t] = W[r][4 i + t] + 128 (unsigned), i = 0..7, r = row 0..15, t = 0..3:
+    // 64 bytes are one VNNI operand, 4 consecutive k of 16 rows
+    uint8_t w[512];
+};
+static_assert(sizeof(q8_tile) == 512, "wrong q8 tile size/padding");
+
+// Head rows 16 vb .. 16 vb + 15 for activation rows 0..M-1 (M <= 16): the tiles of that row
+// block [K / 32], their scales [16]; y[m * ldy + r] for r = 0..15.
+typedef void (*q8_head_fn)(const q8_tile* tiles, int kb, const float* scale, const q8_row* rows, int M,
+                           float* y, long ldy);
+
+void q8_head_ref(const q8_tile* tiles, int kb, const float* scale, const q8_row* rows, int M, float* y, long ldy);
+void q8_head_avx2(const q8_tile* tiles, int kb, const float* scale, const q8_row* rows, int M, float* y, long ldy);
+void q8_head_avx512vnni(const q8_tile* tiles, int kb, const float* scale, const q8_row* rows, int M, float* y,
+                        long ldy);

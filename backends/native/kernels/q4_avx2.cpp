@@ -49,7 +49,7 @@ void q4_block_avx2(const q4_tile* tiles, int kb, const q8_row* rows, int M, floa
         }
 }
 
-void q8_quantize_avx2(const float* x, int K, int8_t* q, float* d, float* s) {
+void q8_quantize_avx2(const float* x, int K, int8_t* q, float* d, float* s, int32_t* sums) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < K / Q4_BLOCK; b++) {
         __m256 v[4], m = _mm256_setzero_ps();
@@ -73,6 +73,47 @@ void q8_quantize_avx2(const float* x, int K, int8_t* q, float* d, float* s) {
         alignas(32) int32_t part[8];
         _mm256_store_si256((__m256i*)part, sum);
         d[b] = scale;
-        s[b] = scale * (float)(part[0] + part[1] + part[2] + part[3] + part[4] + part[5] + part[6] + part[7]);
+        sums[b] = part[0] + part[1] + part[2] + part[3] + part[4] + part[5] + part[6] + part[7];
+        s[b] = scale * (float)sums[b];
     }
+}
+
+// The head: signed weights (W + 128 back to -127..127) as |w| (unsigned) x sign(x, w), so that
+// vpmaddubsw's pair sums (at most 2 * 127 * 127) never saturate: the exact dot, as on VNNI.
+template <int M>
+static void head_avx2(const q8_tile* tiles, int kb, const float* scale, const q8_row* rows, int half, float* y,
+                      long ldy) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc[M];
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int b = 0; b < kb; b++) {
+        __m256i dot[M];
+        for (int m = 0; m < M; m++) dot[m] = _mm256_setzero_si256();
+        for (int i = 0; i < 8; i++) {
+            __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(tiles[b].w + 64 * i + 32 * half)), flip);
+            __m256i aw = _mm256_sign_epi8(w, w);
+            for (int m = 0; m < M; m++) {
+                __m256i x = _mm256_set1_epi32(*(const int32_t*)(rows[m].q + b * Q4_BLOCK + 4 * i));
+                dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones));
+            }
+        }
+        for (int m = 0; m < M; m++)
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_set1_ps(rows[m].d[b]), acc[m]);
+    }
+    __m256 sc = _mm256_loadu_ps(scale + 8 * half);
+    for (int m = 0; m < M; m++) _mm256_storeu_ps(y + m * ldy + 8 * half, _mm256_mul_ps(acc[m], sc));
+}
+
+void q8_head_avx2(const q8_tile* tiles, int kb, const float* scale, const q8_row* rows, int M, float* y, long ldy) {
+    for (int half = 0; half < 2; half++)
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            const q8_row* r = rows + m0;
+            float* out = y + m0 * ldy;
+            switch (M - m0 < 4 ? M - m0 : 4) {
+                case 1: head_avx2<1>(tiles, kb, scale, r, half, out, ldy); break;
+                case 2: head_avx2<2>(tiles, kb, scale, r, half, out, ldy); break;
+                case 3: head_avx2<3>(tiles, kb, scale, r, half, out, ldy); break;
+                default: head_avx2<4>(tiles, kb, scale, r, half, out, ldy); break;
+            }
+        }
 }

@@ -58,7 +58,7 @@ void q4_block_avx512vnni(const q4_tile* tiles, int kb, const q8_row* rows, int M
     }
 }
 
-void q8_quantize_avx512vnni(const float* x, int K, int8_t* q, float* d, float* s) {
+void q8_quantize_avx512vnni(const float* x, int K, int8_t* q, float* d, float* s, int32_t* sum) {
     for (int b = 0; b < K / Q4_BLOCK; b++) {
         __m512 lo = _mm512_loadu_ps(x + b * Q4_BLOCK), hi = _mm512_loadu_ps(x + b * Q4_BLOCK + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
@@ -69,6 +69,53 @@ void q8_quantize_avx512vnni(const float* x, int K, int8_t* q, float* d, float* s
         _mm_storeu_si128((__m128i*)(q + b * Q4_BLOCK), _mm512_cvtepi32_epi8(qlo));
         _mm_storeu_si128((__m128i*)(q + b * Q4_BLOCK + 16), _mm512_cvtepi32_epi8(qhi));
         d[b] = scale;
-        s[b] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        s[b] = scale * (float)sum[b];
+    }
+}
+
+// The head: unsigned weights (W + 128) x signed activations, so the dot carries 128 * sum(q), taken
+// off again exactly in int32.
+template <int M>
+static void head_avx512(const q8_tile* tiles, int kb, const float* scale, const q8_row* rows, float* y, long ldy) {
+    __m512 acc[M];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int b = 0; b < kb; b++) {
+        constexpr int CH = M < 4 ? 4 / M : 1;  // independent vpdpbusd chains, as in rows_avx512
+        __m512i dot[M * CH];
+        for (int j = 0; j < M * CH; j++) dot[j] = _mm512_setzero_si512();
+        for (int i = 0; i < 8; i++) {
+            __m512i w = _mm512_loadu_si512(tiles[b].w + 64 * i);
+            for (int m = 0; m < M; m++) {
+                const int32_t x4 = *(const int32_t*)(rows[m].q + b * Q4_BLOCK + 4 * i);
+                dot[m * CH + i % CH] = _mm512_dpbusd_epi32(dot[m * CH + i % CH], w, _mm512_set1_epi32(x4));
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            __m512i sum = dot[m * CH];
+            for (int c = 1; c < CH; c++) sum = _mm512_add_epi32(sum, dot[m * CH + c]);
+            sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * rows[m].sum[b]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(rows[m].d[b]), acc[m]);
+        }
+    }
+    __m512 sc = _mm512_loadu_ps(scale);
+    for (int m = 0; m < M; m++) _mm512_storeu_ps(y + m * ldy, _mm512_mul_ps(acc[m], sc));
+}
+
+void q8_head_avx512vnni(const q8_tile* tiles, int kb, const float* scale, const q8_row* rows, int M, float* y,
+                        long ldy) {
+    for (int m0 = 0; m0 < M; m0 += 8) {
+        const q8_row* r = rows + m0;
+        float* out = y + m0 * ldy;
+        switch (M - m0 < 8 ? M - m0 : 8) {
+            case 1: head_avx512<1>(tiles, kb, scale, r, out, ldy); break;
+            case 2: head_avx512<2>(tiles, kb, scale, r, out, ldy); break;
+            case 3: head_avx512<3>(tiles, kb, scale, r, out, ldy); break;
+            case 4: head_avx512<4>(tiles, kb, scale, r, out, ldy); break;
+            case 5: head_avx512<5>(tiles, kb, scale, r, out, ldy); break;
+            case 6: head_avx512<6>(tiles, kb, scale, r, out, ldy); break;
+            case 7: head_avx512<7>(tiles, kb, scale, r, out, ldy); break;
+            default: head_avx512<8>(tiles, kb, scale, r, out, ldy); break;
+        }
     }
 }

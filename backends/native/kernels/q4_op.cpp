@@ -1,13 +1,15 @@
-// torch's side of the 4-bit matmul: the op's schema and CPU kernel, and the choice of ISA made
-// once at load. q4.h says what is computed; the ISA files compute it.
+// torch's side of the kernels: the ops' schemas and CPU kernels, and the choice of ISA made once
+// at load. q4.h says what is computed; the ISA files compute it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "q4.h"
@@ -17,6 +19,7 @@ namespace {
 struct Isa {
     const char* name;
     q4_block_fn block;
+    q8_head_fn head;
     q8_quantize_fn quantize;
     bool (*available)();
 };
@@ -32,9 +35,10 @@ bool has_avx512vnni() {
 }
 
 // best first
-const Isa ISAS[] = {{"avx512vnni", q4_block_avx512vnni, q8_quantize_avx512vnni, has_avx512vnni},
-                    {"avx2", q4_block_avx2, q8_quantize_avx2, has_avx2},
-                    {"ref", q4_block_ref, q8_quantize_ref, always}};
+const Isa ISAS[] = {
+    {"avx512vnni", q4_block_avx512vnni, q8_head_avx512vnni, q8_quantize_avx512vnni, has_avx512vnni},
+    {"avx2", q4_block_avx2, q8_head_avx2, q8_quantize_avx2, has_avx2},
+    {"ref", q4_block_ref, q8_head_ref, q8_quantize_ref, always}};
 
 const Isa* find(const std::string& name) {
     for (const Isa& isa : ISAS)
@@ -48,7 +52,7 @@ const Isa& chosen() {
         const char* forced = std::getenv("SPECCHAT_Q4_ISA");
         if (forced && *forced) {
             const Isa* f = find(forced);
-            TORCH_CHECK(f, "SPECCHAT_Q4_ISA=", forced, ": not an ISA this CPU runs (", "avx512vnni, avx2, ref)");
+            TORCH_CHECK(f, "SPECCHAT_Q4_ISA=", forced, ": not an ISA this CPU runs (avx512vnni, avx2, ref)");
             return f;
         }
         for (const Isa& i : ISAS)
@@ -56,6 +60,12 @@ const Isa& chosen() {
         return &ISAS[2];
     }();
     return *isa;
+}
+
+const Isa& named(c10::string_view name) {
+    const Isa* f = find(std::string(name));
+    TORCH_CHECK(f, "ISA ", std::string(name), " does not run on this CPU");
+    return *f;
 }
 
 float from_bf16(uint16_t h) {
@@ -72,54 +82,71 @@ uint16_t to_bf16(float f) {  // round to nearest, ties to even (as c10::BFloat16
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1)) >> 16);
 }
 
-// x [..., K] (float32 or bfloat16) times the tiles of W [n, K] -> [..., n] in x's dtype.
+// The rows of x [..., K] (float32 or bfloat16, contiguous), each quantized on its own (q4.h).
+struct QuantizedRows {
+    std::vector<float> row;  // one row as float32
+    std::vector<int8_t> q;
+    std::vector<float> d, s;
+    std::vector<int32_t> sum;
+    std::vector<q8_row> rows;
+
+    void fill(const at::Tensor& x, int64_t K, const Isa& isa) {
+        const int64_t M = x.numel() / K, kb = K / Q4_BLOCK;
+        row.resize(K), q.resize(M * K), d.resize(M * kb), s.resize(M * kb), sum.resize(M * kb), rows.resize(M);
+        for (int64_t m = 0; m < M; m++) {
+            isa.quantize(as_float(x, m, K), (int)K, q.data() + m * K, d.data() + m * kb, s.data() + m * kb,
+                         sum.data() + m * kb);
+            rows[m] = {q.data() + m * K, d.data() + m * kb, s.data() + m * kb, sum.data() + m * kb};
+        }
+    }
+
+    const float* as_float(const at::Tensor& x, int64_t m, int64_t K) {
+        if (x.scalar_type() == at::kFloat) return x.data_ptr<float>() + m * K;
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + m * K;
+        for (int64_t k = 0; k < K; k++) row[k] = from_bf16(h[k]);
+        return row.data();
+    }
+};
+
+void check_input(const at::Tensor& x, const at::Tensor& tiles, int64_t K, const char* op) {
+    TORCH_CHECK(x.device().is_cpu() && tiles.device().is_cpu(), op, " runs on CPU");
+    TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous(), op, ": tiles must be contiguous uint8");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op,
+                ": x must be float32 or bfloat16");
+    TORCH_CHECK(K % Q4_BLOCK == 0, op, ": K % 32 must be 0");
+}
+
+// x [..., K] times the 4-bit tiles of W [n, K] -> [..., n] in x's dtype.
 at::Tensor linear_on(const at::Tensor& x_in, const at::Tensor& tiles, int64_t n, const Isa& isa) {
-    TORCH_CHECK(x_in.device().is_cpu() && tiles.device().is_cpu(), "q4_linear runs on CPU");
-    TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous(), "q4_linear: tiles must be contiguous uint8");
-    const bool bf16 = x_in.scalar_type() == at::kBFloat16;
-    TORCH_CHECK(bf16 || x_in.scalar_type() == at::kFloat, "q4_linear: x must be float32 or bfloat16");
     const int64_t K = x_in.size(-1);
-    TORCH_CHECK(K % Q4_BLOCK == 0 && n % Q4_COLS == 0, "q4_linear: K % 32 and n % 16 must be 0");
+    check_input(x_in, tiles, K, "q4_linear");
+    TORCH_CHECK(n % Q4_COLS == 0, "q4_linear: n % 16 must be 0");
     const int64_t kb = K / Q4_BLOCK, nb = n / Q4_COLS;
     TORCH_CHECK(tiles.numel() == nb * kb * (int64_t)sizeof(q4_tile), "q4_linear: tiles do not match [n, K]");
     const at::Tensor x = x_in.contiguous();
     const int64_t M = x.numel() / K;
-
-    // each row quantized once, before any column is computed
-    thread_local std::vector<float> row;
-    thread_local std::vector<int8_t> q;
-    thread_local std::vector<float> d, s;
-    thread_local std::vector<q8_row> rows;
-    row.resize(K), q.resize(M * K), d.resize(M * kb), s.resize(M * kb), rows.resize(M);
-    for (int64_t m = 0; m < M; m++) {
-        const float* xm = row.data();
-        if (bf16) {
-            const uint16_t* h = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + m * K;
-            for (int64_t k = 0; k < K; k++) row[k] = from_bf16(h[k]);
-        } else {
-            xm = x.data_ptr<float>() + m * K;
-        }
-        isa.quantize(xm, (int)K, q.data() + m * K, d.data() + m * kb, s.data() + m * kb);
-        rows[m] = {q.data() + m * K, d.data() + m * kb, s.data() + m * kb};
-    }
+    thread_local QuantizedRows quantized;  // each row quantized once, before any column is computed
+    quantized.fill(x, K, isa);
 
     std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
     shape.back() = n;
     at::Tensor y = at::empty(shape, x_in.options());
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
     void* out = y.data_ptr();
     const q4_tile* w = reinterpret_cast<const q4_tile*>(tiles.data_ptr<uint8_t>());
-    const q8_row* r = rows.data();
+    const q8_row* rows = quantized.rows.data();
     // over column blocks only: a column's arithmetic is the same whichever thread runs it
     at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
         float acc[16 * Q4_COLS];
         for (int64_t b = b0; b < b1; b++)
             for (int64_t m0 = 0; m0 < M; m0 += 16) {
-                const int rows_here = (int)std::min<int64_t>(16, M - m0);
-                isa.block(w + b * kb, (int)kb, r + m0, rows_here, acc, Q4_COLS);
-                for (int m = 0; m < rows_here; m++) {
+                const int here = (int)std::min<int64_t>(16, M - m0);
+                isa.block(w + b * kb, (int)kb, rows + m0, here, acc, Q4_COLS);
+                for (int m = 0; m < here; m++) {
                     const int64_t at = (m0 + m) * n + b * Q4_COLS;
                     if (bf16)
-                        for (int c = 0; c < Q4_COLS; c++) static_cast<uint16_t*>(out)[at + c] = to_bf16(acc[m * Q4_COLS + c]);
+                        for (int c = 0; c < Q4_COLS; c++)
+                            static_cast<uint16_t*>(out)[at + c] = to_bf16(acc[m * Q4_COLS + c]);
                     else
                         std::memcpy(static_cast<float*>(out) + at, acc + m * Q4_COLS, sizeof(float) * Q4_COLS);
                 }
@@ -128,14 +155,63 @@ at::Tensor linear_on(const at::Tensor& x_in, const at::Tensor& tiles, int64_t n,
     return y;
 }
 
+// x [M, K] float32 times the int8 tiles of the head [V, K] (scales [V]) -> float32 logits [M, V],
+// and for each row [||x8||, ||x - x8||] (x8: the row as quantized), rounded up: the terms of
+// argmax_head.py's bound that the activations' quantization adds.
+std::tuple<at::Tensor, at::Tensor> head_on(const at::Tensor& x_in, const at::Tensor& tiles, const at::Tensor& scale,
+                                           const Isa& isa) {
+    const int64_t K = x_in.size(-1), V = scale.numel();
+    check_input(x_in, tiles, K, "q8_head");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && V % 16 == 0,
+                "q8_head: scale must be contiguous float32 [V], V % 16 == 0");
+    const int64_t kb = K / Q4_BLOCK, vb = V / 16;
+    TORCH_CHECK(tiles.numel() == vb * kb * (int64_t)sizeof(q8_tile), "q8_head: tiles do not match [V, K]");
+    const at::Tensor x = x_in.to(at::kFloat).contiguous().view({-1, K});
+    const int64_t M = x.size(0);
+    thread_local QuantizedRows quantized;
+    quantized.fill(x, K, isa);
+
+    at::Tensor norms = at::empty({M, 2}, x.options());
+    float* np = norms.data_ptr<float>();
+    for (int64_t m = 0; m < M; m++) {
+        const float* xm = x.data_ptr<float>() + m * K;
+        double q2 = 0, e2 = 0;
+        for (int64_t k = 0; k < K; k++) {
+            const double x8 = (double)quantized.q[m * K + k] * quantized.d[m * kb + k / Q4_BLOCK];
+            q2 += x8 * x8, e2 += (xm[k] - x8) * (xm[k] - x8);
+        }
+        np[2 * m] = std::nextafter((float)std::sqrt(q2), INFINITY);
+        np[2 * m + 1] = std::nextafter((float)std::sqrt(e2), INFINITY);
+    }
+    at::Tensor y = at::empty({M, V}, x.options());
+    float* out = y.data_ptr<float>();
+    const q8_tile* w = reinterpret_cast<const q8_tile*>(tiles.data_ptr<uint8_t>());
+    const float* sc = scale.data_ptr<float>();
+    const q8_row* rows = quantized.rows.data();
+    at::parallel_for(0, vb, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; b++)
+            for (int64_t m0 = 0; m0 < M; m0 += 16)
+                isa.head(w + b * kb, (int)kb, sc + b * 16, rows + m0, (int)std::min<int64_t>(16, M - m0),
+                         out + m0 * V + b * 16, V);
+    });
+    return {y, norms};
+}
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n) {
     return linear_on(x, tiles, n, chosen());
 }
 
 at::Tensor q4_linear_on(const at::Tensor& x, const at::Tensor& tiles, int64_t n, c10::string_view isa) {
-    const Isa* f = find(std::string(isa));
-    TORCH_CHECK(f, "q4_linear_on: ISA ", std::string(isa), " does not run on this CPU");
-    return linear_on(x, tiles, n, *f);
+    return linear_on(x, tiles, n, named(isa));
+}
+
+std::tuple<at::Tensor, at::Tensor> q8_head(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale) {
+    return head_on(x, tiles, scale, chosen());
+}
+
+std::tuple<at::Tensor, at::Tensor> q8_head_on(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale,
+                                              c10::string_view isa) {
+    return head_on(x, tiles, scale, named(isa));
 }
 
 std::string q4_isa() { return chosen().name; }
@@ -152,6 +228,8 @@ std::vector<std::string> q4_isas() {
 TORCH_LIBRARY(specchat, m) {
     m.def("q4_linear(Tensor x, Tensor tiles, int n) -> Tensor");
     m.def("q4_linear_on(Tensor x, Tensor tiles, int n, str isa) -> Tensor");
+    m.def("q8_head(Tensor x, Tensor tiles, Tensor scale) -> (Tensor, Tensor)");
+    m.def("q8_head_on(Tensor x, Tensor tiles, Tensor scale, str isa) -> (Tensor, Tensor)");
     m.def("q4_isa() -> str", q4_isa);
     m.def("q4_isas() -> str[]", q4_isas);
 }
@@ -159,4 +237,6 @@ TORCH_LIBRARY(specchat, m) {
 TORCH_LIBRARY_IMPL(specchat, CPU, m) {
     m.impl("q4_linear", q4_linear);
     m.impl("q4_linear_on", q4_linear_on);
+    m.impl("q8_head", q8_head);
+    m.impl("q8_head_on", q8_head_on);
 }

@@ -45,7 +45,21 @@ void q4_block_ref(const q4_tile* tiles, int kb, const q8_row* rows, int M, float
     }
 }
 
-void q8_quantize_ref(const float* x, int K, int8_t* q, float* d, float* s) {
+void q8_head_ref(const q8_tile* tiles, int kb, const float* scale, const q8_row* rows, int M, float* y, long ldy) {
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < 16; r++) {
+            float acc = 0.0f;
+            for (int b = 0; b < kb; b++) {
+                int32_t dot = 0;
+                for (int k = 0; k < Q4_BLOCK; k++)
+                    dot += ((int)tiles[b].w[64 * (k / 4) + 4 * r + k % 4] - 128) * rows[m].q[b * Q4_BLOCK + k];
+                acc = std::fmaf((float)dot, rows[m].d[b], acc);
+            }
+            y[m * ldy + r] = acc * scale[r];
+        }
+}
+
+void q8_quantize_ref(const float* x, int K, int8_t* q, float* d, float* s, int32_t* sums) {
     for (int b = 0; b < K / Q4_BLOCK; b++) {
         const float* xb = x + b * Q4_BLOCK;
         float amax = 0.0f;
@@ -59,5 +73,6 @@ void q8_quantize_ref(const float* x, int K, int8_t* q, float* d, float* s) {
         }
         d[b] = scale;
         s[b] = scale * (float)sum;
+        sums[b] = sum;
     }
 }
