@@ -7,7 +7,7 @@ Loads the profile's target (its compiled graphs from the graph store: run the pr
 first), prefills a chat prompt and decodes greedily, timing per step the pass through the layers
 (`forward`, the exported graph plus embedding and final norm), the choice of the next token
 (`choose`: the int8 head's bound and the exact recomputation of the few tokens that could win),
-and the graph alone; then a profile of 20 steps by operator, and the bytes of weights a step
+and the graph alone; verify blocks of 1..8 rows (row-exact forward and choice); then a profile of 20 steps by operator, and the bytes of weights a step
 reads over a measured memory bandwidth.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-p", "--profile", default="smollm2-fast")
     ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8], help="verify block sizes to time")
     args = ap.parse_args()
 
     from specchat.backends.base import Sampling
@@ -65,6 +66,21 @@ def main() -> None:
         print(f"threads {torch.get_num_threads()}: forward {median_ms(forward):.2f} ms (graph alone "
               f"{median_ms(alone):.2f}), choose {median_ms(choose):.2f} ms, step "
               f"{median_ms([a + b for a, b in zip(forward, choose)]):.2f} ms")
+        # verify blocks of K rows: a row-exact forward and the choice of every row, as strict
+        # verification runs them, in units of a one-token pass (K = 1)
+        blocks = {}
+        for K in args.rows:
+            times = []
+            for i in range(max(20, args.steps // 5)):
+                engine.truncate(pos)
+                t0 = time.perf_counter()
+                state, _ = engine.forward([token] * K, pos, all_logits=True, head=False, row_exact=True)
+                engine.choose(state, list(range(pos + 1, pos + K + 1)), greedy)
+                times.append(time.perf_counter() - t0)
+            blocks[K] = median_ms(times)
+        engine.truncate(pos)
+        print("verify block of K rows (forward + choice), ms and x a one-token pass: " +
+              ", ".join(f"{K}: {ms:.2f} ({ms / blocks[args.rows[0]]:.2f}x)" for K, ms in blocks.items()))
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:

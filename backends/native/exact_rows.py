@@ -97,6 +97,9 @@ def row_groups(start: int, K: int, max_len: int, device: torch.device, dtype: to
 # probes can miss and real attention does not (tests/native/test_real_model.py checks the real
 # model), and the padding costs no measurable time (re-measure: scripts/bench_engine.py).
 ATTENTION_MODES = ("padded", "shared", "separate")
+# specchat's own attention kernel (q4_kernel.py): each row over exactly its own keys, invariant by
+# construction; where it runs, no probe is needed and the modes above are not used
+KERNEL_MODE = "kernel"
 _MIN_QUERY_ROWS = 4  # "padded": no query block of CPU flash attention with fewer rows
 
 
@@ -114,9 +117,13 @@ def _rows_to_pad(rows: int) -> int:
 
 
 def attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: Tensor,
-                mode: str = "shared") -> Tensor:
+                mode: str = "shared", start: int = 0) -> Tensor:
     """q [H, n, hd] as n rows over cache[:n_keys] (mask from `key_mask`), each as its single-token
-    pass computes it, reading the cache in place; returns [1, H, n, hd].
+    pass computes it, reading the cache in place; returns [1, H, n, hd]. Row i is at position
+    start + i.
+
+    With mode KERNEL_MODE, specchat's attention kernel takes each row over keys [0, start + i]
+    alone (the mask and key count are not needed).
 
     With G = H / Hkv > 1 query heads per kv head a single-token pass is already a G-row query per
     kv head, and a block's rows join it as more query rows ([1, Hkv, n * G, hd]); with G == 1 each
@@ -128,6 +135,8 @@ def attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: 
     - "shared": one call; a last query block of a single row goes another kernel path, so it gets
       a call of its own.
     - "separate": each row the call a single-token pass makes (a row costs a call)."""
+    if mode == KERNEL_MODE:
+        return torch.ops.specchat.attend_rows(q, cache_k, cache_v, start)
     H, n, hd = q.shape
     Hkv = cache_k.shape[1]
     G = H // Hkv

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from ..base import Sampling
 from . import sampling as sampler
 from .config import ModelConfig
-from .exact_rows import CompiledRowGraphs, RowGroup, attend_rows, probe_attention_mode, row_groups
+from .exact_rows import KERNEL_MODE, CompiledRowGraphs, RowGroup, attend_rows, probe_attention_mode, row_groups
+from .q4_kernel import attention_kernel_fits
 from .gated_delta import RecurrentDecoderLayer
 from .graph_store import GraphStore
 from .layers import Attend, DecoderLayer, RMSNorm, rope_inv_freq, rope_tables
@@ -113,7 +114,8 @@ def group_attention(cache: KVCache, layer: int, write: slice, groups: list[RowGr
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache.write(layer, write, k, v)
         qh = q.transpose(0, 1).to(k_cache.dtype)  # [H, K, hd]
-        parts = [attend_rows(qh[:, g.lo:g.hi], k_cache, v_cache, g.n_keys, g.mask, mode) for g in groups]
+        parts = [attend_rows(qh[:, g.lo:g.hi], k_cache, v_cache, g.n_keys, g.mask, mode, write.start + g.lo)
+                 for g in groups]
         a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         return a[0].transpose(0, 1).reshape(q.shape[0], -1)
 
@@ -142,7 +144,10 @@ class Transformer(nn.Module):
         self.setup_cache(max_len)
         # how a row-exact pass shares attention calls between rows (exact_rows.ATTENTION_MODES)
         self.attention_mode = "shared"
-        if self.device.type == "cpu" and self.cache_dtype == torch.bfloat16:
+        if self.device.type == "cpu" and attention_kernel_fits(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                                               self.cache_dtype):
+            self.attention_mode = KERNEL_MODE  # row-invariant by construction: nothing to probe
+        elif self.device.type == "cpu" and self.cache_dtype == torch.bfloat16:
             self.attention_mode = probe_attention_mode(cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim,
                                                        torch.bfloat16)
 

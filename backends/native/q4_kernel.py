@@ -27,7 +27,7 @@ from .int4 import INT4_GROUP, Int4Rows
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("q4_op.cpp", "q4_ref.cpp", "q4_avx2.cpp", "q4_avx512vnni.cpp")
+SOURCES = ("q4_op.cpp", "q4_ref.cpp", "q4_avx2.cpp", "q4_avx512vnni.cpp", "attention_avx512.cpp")
 KERNEL_DIR = Path(__file__).parent / "kernels"
 TILE_COLS = 16
 TILE_BYTES = 320  # sizeof(q4_tile): 256 bytes of nibbles, 16 float16 scales, 16 float16 offsets
@@ -94,6 +94,10 @@ def _register_fake() -> None:
     def _(x: Tensor, tiles: Tensor, n: int) -> Tensor:
         return x.new_empty(*x.shape[:-1], n)
 
+    @torch.library.register_fake("specchat::attend_rows")
+    def _(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        return q.new_empty(1, *q.shape)
+
     @torch.library.register_fake("specchat::q8_head")
     def _(x: Tensor, tiles: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
         rows = x.numel() // x.shape[-1]
@@ -134,3 +138,11 @@ def pack_head(q: Tensor) -> Tensor:
 
 def head_fits(q: Tensor) -> bool:
     return q.shape[0] % 16 == 0 and q.shape[1] % INT4_GROUP == 0
+
+
+def attention_kernel_fits(heads: int, kv_heads: int, head_dim: int, cache_dtype: torch.dtype) -> bool:
+    """Whether specchat's attention kernel (kernels/attention_avx512.cpp) runs this model's
+    attention here: AVX512, at most 16 query heads a kv head, head_dim a multiple of 16 up to 256,
+    a float32 or bfloat16 cache. Elsewhere the engine probes torch's attention (exact_rows.py)."""
+    return (cache_dtype in (torch.float32, torch.bfloat16) and heads % kv_heads == 0 and heads // kv_heads <= 16
+            and head_dim % 16 == 0 and head_dim <= 256 and available() and isa() == "avx512vnni")

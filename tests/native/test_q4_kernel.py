@@ -136,3 +136,60 @@ def test_each_head_row_has_its_one_row_bits_on_every_isa(m, vb, kb, seed, thread
     bound = norms[:, 1:].double() * w.double().norm(dim=1)[None, :] + 1e-5 * (x.norm(dim=1)[:, None].double() *
                                                                               w.double().norm(dim=1)[None, :])
     assert bool(((logits.double() - exact).abs() <= bound).all())
+
+
+attention = pytest.mark.skipif(not q4_kernel.attention_kernel_fits(9, 3, 64, torch.bfloat16),
+                               reason="the attention kernel runs on AVX512 only")
+
+
+def reference_attention(q, k, v, start):
+    """Row i of q [H, n, hd] over keys [0, start + i], in float64."""
+    H, n, hd = q.shape
+    G = H // k.shape[1]
+    out = []
+    for i in range(n):
+        kk = k[0, :, :start + i + 1].double().repeat_interleave(G, 0)
+        vv = v[0, :, :start + i + 1].double().repeat_interleave(G, 0)
+        out.append(((q[:, i:i + 1].double() @ kk.transpose(1, 2)) / hd ** 0.5).softmax(-1) @ vv)
+    return torch.cat(out, 1)
+
+
+@attention
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 16), start=st.integers(0, 300), heads=st.sampled_from([(9, 3), (4, 4), (16, 2), (8, 1)]),
+       hd=st.sampled_from([16, 64, 128]), threads=st.sampled_from([1, 2]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
+def test_each_attention_row_has_its_one_row_bits(n, start, heads, hd, threads, dtype, seed):
+    """Row i of a block has the bits of a one-row call at its position, whatever else is in the
+    cache past that position (stale keys of a rejected draft) and however many threads run."""
+    H, Hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(1, Hkv, start + n + 40, hd, generator=g).to(dtype) for _ in range(2))
+    q = (2 * torch.randn(H, n, hd, generator=g)).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        block = torch.ops.specchat.attend_rows(q, k, v, start)
+        k[:, :, start + n:] = 1e4  # past every row's end: never read
+        for i in range(n):
+            one = torch.ops.specchat.attend_rows(q[:, i:i + 1].contiguous(), k, v, start + i)
+            assert torch.equal(one[0, :, 0], block[0, :, i])
+    finally:
+        torch.set_num_threads(before)
+    assert block.dtype == dtype and block.shape == (1, H, n, hd)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(block[0].double(), reference_attention(q, k, v, start), atol=tolerance, rtol=tolerance)
+
+
+@attention
+def test_a_model_on_the_kernel_needs_no_attention_probe(monkeypatch, tiny_ggufs):
+    import specchat.backends.native.model as model
+    from specchat.backends.native.engine import TorchBackend
+    from specchat.backends.native.exact_rows import KERNEL_MODE
+
+    def probe(*a):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(model, "probe_attention_mode", probe)
+    engine = TorchBackend(tiny_ggufs["Q4_1"], precision="int4", context=64)
+    assert engine.model.attention_mode == KERNEL_MODE and engine.row_exact_supported

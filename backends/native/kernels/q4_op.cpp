@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "attention.h"
 #include "q4.h"
 
 namespace {
@@ -197,6 +198,45 @@ std::tuple<at::Tensor, at::Tensor> head_on(const at::Tensor& x_in, const at::Ten
     return {y, norms};
 }
 
+// q [H, n, hd] (float32 or bfloat16) over the cache k, v [1, Hkv, L, hd], row i of q at position
+// start + i (attention_avx512.cpp) -> [1, H, n, hd] in q's dtype.
+at::Tensor attend_rows(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, int64_t start) {
+    TORCH_CHECK(has_avx512vnni(), "attend_rows: needs AVX512");
+    TORCH_CHECK(q_in.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == 1, "attend_rows: shapes");
+    TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == v.scalar_type() &&
+                    (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+                "attend_rows: the cache must be contiguous float32 or bfloat16");
+    const int64_t H = q_in.size(0), n = q_in.size(1), hd = q_in.size(2), Hkv = k.size(1), L = k.size(2);
+    TORCH_CHECK(k.size(3) == hd && attention_fits((int)H, (int)Hkv, (int)hd) && start >= 0 && start + n <= L,
+                "attend_rows: shapes or positions do not fit");
+    const at::Tensor q = q_in.to(at::kFloat).contiguous();
+    const AttentionShape s{(int)H, (int)Hkv, (int)n, (int)hd, L, start};
+    at::Tensor y = at::empty({1, H, n, hd}, q_in.options());
+    const bool bf16_out = q_in.scalar_type() == at::kBFloat16, bf16_cache = k.scalar_type() == at::kBFloat16;
+    const int64_t G = H / Hkv;
+    const float* qp = q.data_ptr<float>();
+    const void *kp = k.data_ptr(), *vp = v.data_ptr();
+    void* yp = y.data_ptr();
+    // over (kv head, row) pairs: each one's arithmetic is its own, whichever thread runs it
+    at::parallel_for(0, Hkv * n, 1, [&](int64_t p0, int64_t p1) {
+        std::vector<float> out(G * hd);
+        for (int64_t p = p0; p < p1; p++) {
+            const int kv = (int)(p / n), row = (int)(p % n);
+            attend_rows_avx512(qp, kp, vp, bf16_cache, s, row, kv, out.data());
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t at = ((kv * G + g) * n + row) * hd;
+                for (int64_t d = 0; d < hd; d++) {
+                    if (bf16_out)
+                        static_cast<uint16_t*>(yp)[at + d] = to_bf16(out[g * hd + d]);
+                    else
+                        static_cast<float*>(yp)[at + d] = out[g * hd + d];
+                }
+            }
+        }
+    });
+    return y;
+}
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n) {
     return linear_on(x, tiles, n, chosen());
 }
@@ -230,6 +270,7 @@ TORCH_LIBRARY(specchat, m) {
     m.def("q4_linear_on(Tensor x, Tensor tiles, int n, str isa) -> Tensor");
     m.def("q8_head(Tensor x, Tensor tiles, Tensor scale) -> (Tensor, Tensor)");
     m.def("q8_head_on(Tensor x, Tensor tiles, Tensor scale, str isa) -> (Tensor, Tensor)");
+    m.def("attend_rows(Tensor q, Tensor k, Tensor v, int start) -> Tensor");
     m.def("q4_isa() -> str", q4_isa);
     m.def("q4_isas() -> str[]", q4_isas);
 }
@@ -239,4 +280,5 @@ TORCH_LIBRARY_IMPL(specchat, CPU, m) {
     m.impl("q4_linear_on", q4_linear_on);
     m.impl("q8_head", q8_head);
     m.impl("q8_head_on", q8_head_on);
+    m.impl("attend_rows", attend_rows);
 }

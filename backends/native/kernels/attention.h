@@ -1,0 +1,20 @@
+// Attention of query rows over a KV cache, each row on its own (attention_avx512.cpp says how).
+#pragma once
+#include <cstdint>
+
+struct AttentionShape {
+    int heads, kv_heads;  // query heads, key/value heads (query head h reads kv head h / (heads / kv_heads))
+    int rows;             // query rows; row i attends over keys [0, start + i + 1)
+    int head_dim;
+    long cache_len;       // positions the cache holds room for
+    long start;
+};
+
+// Whether attend_rows_avx512 takes these heads (at most 16 query heads a kv head, head_dim a
+// multiple of 16 up to 256).
+bool attention_fits(int heads, int kv_heads, int head_dim);
+
+// q [heads, rows, head_dim] float32; k, v [kv_heads, cache_len, head_dim] (bfloat16 bits or
+// float32); out [heads / kv_heads, head_dim] float32: row `row` of the query heads of kv head `kv`.
+void attend_rows_avx512(const float* q, const void* k, const void* v, bool bf16_cache, const AttentionShape& s,
+                        int row, int kv, float* out);
