@@ -270,7 +270,7 @@ TORCH_LIBRARY(specchat, m) {
     m.def("q4_linear_on(Tensor x, Tensor tiles, int n, str isa) -> Tensor");
     m.def("q8_head(Tensor x, Tensor tiles, Tensor scale) -> (Tensor, Tensor)");
     m.def("q8_head_on(Tensor x, Tensor tiles, Tensor scale, str isa) -> (Tensor, Tensor)");
-    m.def("attend_rows(Tensor q, Tensor k, Tensor v, int start) -> Tensor");
+    m.def("attend_rows(Tensor q, Tensor k, Tensor v, SymInt start) -> Tensor");
     m.def("q4_isa() -> str", q4_isa);
     m.def("q4_isas() -> str[]", q4_isas);
 }
