@@ -86,17 +86,22 @@ class ArgmaxHead:
         other the choice could differ from the float32 head's: such rows (rare) are handed to
         `full_head(rows, positions)`, the float32 head itself, when given."""
         x = states.float()
-        approx, bound = self._approx(x)
-        high, low = approx + bound, approx - bound  # each token's logit lies in between
         noise = None
-        if not s.greedy:  # scores are logits / T + noise: the same shift for both ends
-            noise = sampler.gumbel_noise(s.seed, positions, approx.shape[1], x.device)
-            high, low = torch.add(noise, high, alpha=1 / s.temperature), torch.add(noise, low, alpha=1 / s.temperature)
-        best_low, best_high = low.amax(1, keepdim=True), high.amax(1, keepdim=True)
-        # a candidate's bounds lie between best_low and best_high, so a slack relative to those two
-        # is far above the rounding of the few operations behind them
-        margin = (best_low.abs() + best_high.abs() + 1) * _SCORE_SLACK
-        rows, ids = (high >= best_low - 2 * margin).nonzero(as_tuple=True)
+        if s.greedy and self.tiles is not None:  # the same steps in one call of specchat's kernel
+            rows, ids = torch.ops.specchat.q8_head_candidates(x, self.tiles, self.scale32, self.norms, self.gamma,
+                                                              self.own_gamma, _SLACK, _SCORE_SLACK)
+        else:
+            approx, bound = self._approx(x)
+            high, low = approx + bound, approx - bound  # each token's logit lies in between
+            if not s.greedy:  # scores are logits / T + noise: the same shift for both ends
+                noise = sampler.gumbel_noise(s.seed, positions, approx.shape[1], x.device)
+                high = torch.add(noise, high, alpha=1 / s.temperature)
+                low = torch.add(noise, low, alpha=1 / s.temperature)
+            best_low, best_high = low.amax(1, keepdim=True), high.amax(1, keepdim=True)
+            # a candidate's bounds lie between best_low and best_high, so a slack relative to those two
+            # is far above the rounding of the few operations behind them
+            margin = (best_low.abs() + best_high.abs() + 1) * _SCORE_SLACK
+            rows, ids = (high >= best_low - 2 * margin).nonzero(as_tuple=True)
         exact = (self.weight[ids] * x[rows]).sum(-1)  # the float32 logits of the tokens that could win
         # the sampler's own arithmetic on them (x / T + noise), so ties break as it breaks them
         scores = exact if noise is None else exact / s.temperature + noise[rows, ids]

@@ -5,6 +5,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -237,6 +238,50 @@ at::Tensor attend_rows(const at::Tensor& q_in, const at::Tensor& k, const at::Te
     return y;
 }
 
+// The greedy choice's candidates (argmax_head.py's `choose`): the int8 head's logits of x [M, K]
+// and, per token, the bound c0 norms[0] + c1 norms[1] on their distance from the float32 logits,
+// with c0 = max(||x8||, ||x|| slack) slack and c1 = (||x - x8|| + gamma ||x|| slack + own_gamma ||x8||)
+// slack; every token whose upper end reaches the best lower end (less a margin) -> (rows, ids),
+// ascending. Each row on its own.
+std::tuple<at::Tensor, at::Tensor> q8_head_candidates(const at::Tensor& x_in, const at::Tensor& tiles,
+                                                      const at::Tensor& scale, const at::Tensor& norms,
+                                                      double gamma, double own_gamma, double slack,
+                                                      double score_slack) {
+    const at::Tensor x = x_in.to(at::kFloat).contiguous().view({-1, x_in.size(-1)});
+    auto [logits, act] = head_on(x, tiles, scale, chosen());
+    const int64_t M = x.size(0), K = x.size(1), V = scale.numel();
+    TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == 2 * V,
+                "q8_head_candidates: norms must be contiguous float32 [2, V]");
+    const float *w0 = norms.data_ptr<float>(), *w1 = w0 + V, *A = logits.data_ptr<float>(), *a = act.data_ptr<float>();
+    std::vector<int64_t> rows, ids;
+    std::vector<float> bound(V);
+    for (int64_t m = 0; m < M; m++) {
+        double x2 = 0;
+        for (int64_t k = 0; k < K; k++) x2 += (double)x.data_ptr<float>()[m * K + k] * x.data_ptr<float>()[m * K + k];
+        const float x_norm = std::nextafter((float)std::sqrt(x2), INFINITY) * (float)slack;
+        const float c0 = std::max(a[2 * m], x_norm) * (float)slack;
+        const float c1 = (a[2 * m + 1] + (float)gamma * x_norm + (float)own_gamma * a[2 * m]) * (float)slack;
+        const float* Am = A + m * V;
+        float best_low = -INFINITY, best_high = -INFINITY;
+#pragma omp simd reduction(max : best_low, best_high)
+        for (int64_t v = 0; v < V; v++) {
+            bound[v] = c0 * w0[v] + c1 * w1[v];
+            best_low = std::max(best_low, Am[v] - bound[v]);
+            best_high = std::max(best_high, Am[v] + bound[v]);
+        }
+        const float margin = (std::fabs(best_low) + std::fabs(best_high) + 1.0f) * (float)score_slack;
+        const float floor = best_low - 2.0f * margin;
+        for (int64_t v = 0; v < V; v++)
+            if (Am[v] + bound[v] >= floor) rows.push_back(m), ids.push_back(v);
+    }
+    auto to_tensor = [](const std::vector<int64_t>& values) {
+        at::Tensor t = at::empty({(int64_t)values.size()}, at::TensorOptions().dtype(at::kLong));
+        std::memcpy(t.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
+        return t;
+    };
+    return {to_tensor(rows), to_tensor(ids)};
+}
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n) {
     return linear_on(x, tiles, n, chosen());
 }
@@ -270,6 +315,8 @@ TORCH_LIBRARY(specchat, m) {
     m.def("q4_linear_on(Tensor x, Tensor tiles, int n, str isa) -> Tensor");
     m.def("q8_head(Tensor x, Tensor tiles, Tensor scale) -> (Tensor, Tensor)");
     m.def("q8_head_on(Tensor x, Tensor tiles, Tensor scale, str isa) -> (Tensor, Tensor)");
+    m.def("q8_head_candidates(Tensor x, Tensor tiles, Tensor scale, Tensor norms, float gamma, float own_gamma, "
+          "float slack, float score_slack) -> (Tensor, Tensor)");
     m.def("attend_rows(Tensor q, Tensor k, Tensor v, SymInt start) -> Tensor");
     m.def("q4_isa() -> str", q4_isa);
     m.def("q4_isas() -> str[]", q4_isas);
@@ -281,4 +328,5 @@ TORCH_LIBRARY_IMPL(specchat, CPU, m) {
     m.impl("q8_head", q8_head);
     m.impl("q8_head_on", q8_head_on);
     m.impl("attend_rows", attend_rows);
+    m.impl("q8_head_candidates", q8_head_candidates);
 }
