@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .int4 import INT4_GROUP, Int4Rows
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("q4_op.cpp", "q4_ref.cpp", "q4_avx2.cpp", "q4_avx512vnni.cpp", "attention_avx512.cpp")
 KERNEL_DIR = Path(__file__).parent / "kernels"
 TILE_COLS = 16
+INT4_GROUP = 32  # inputs a scale covers (int4.INT4_GROUP; not imported: int4.py imports this module)
 TILE_BYTES = 320  # sizeof(q4_tile): 256 bytes of nibbles, 16 float16 scales, 16 float16 offsets
 
 
@@ -106,11 +106,12 @@ def _register_fake() -> None:
     _register_fake.done = True
 
 
-def fits(w: Int4Rows) -> bool:
+def fits(w) -> bool:
+    """w: an `Int4Rows` (int4.py)."""
     return w.q.shape[0] % TILE_COLS == 0 and w.q.shape[1] % INT4_GROUP == 0
 
 
-def pack(w: Int4Rows) -> Tensor:
+def pack(w) -> Tensor:
     """Int4Rows [N, K] -> tiles, uint8 [N / 16, K / 32, 320] (kernels/q4.h's q4_tile): w = d q + m
     with d = scale, m = zero - 8 scale, both float16."""
     N, K = w.q.shape
