@@ -55,7 +55,8 @@ def store_key(model_path: Path, settings: dict) -> str:
     stat = Path(model_path).stat()
     h.update(f"{origin(model_path, settings)}|{torch.__version__}|{sys.version}|{cpu_tag()}|{stat.st_size}|"
              f"{stat.st_mtime_ns}".encode())
-    kernels = sorted(ENGINE_SOURCE.glob("kernels/*")) if str(settings.get("kernel", "")).startswith("specchat") else []
+    calls_kernels = str(settings.get("kernel", "")).startswith("specchat") or settings.get("attention") == "kernel"
+    kernels = sorted(ENGINE_SOURCE.glob("kernels/*")) if calls_kernels else []
     for source in sorted(ENGINE_SOURCE.glob("*.py")) + kernels:  # the C++ only where the graphs call it
         h.update(source.name.encode() + source.read_bytes())
     return h.hexdigest()[:16]

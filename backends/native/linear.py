@@ -1,6 +1,6 @@
 """`Linear`: y = x W^T (+ b), with W dense in the compute dtype, group-wise int4 on specchat's CPU
-kernel (q4_kernel.py) or torch's, or float32 multiplied in row pairs (the LM head on CPU, whose rows must keep their bits
-however many come: see exact_rows.py)."""
+kernel (q4_kernel.py) or torch's, or float32 multiplied in row pairs (the LM head on CPU, whose
+rows must keep their bits however many come: see exact_rows.py)."""
 from __future__ import annotations
 
 import torch
