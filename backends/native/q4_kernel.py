@@ -1,15 +1,17 @@
-"""specchat's own 4-bit matmul for CPU decode (kernels/q4.h): `Int4Rows` packed once into tiles,
-then `torch.ops.specchat.q4_linear(x, tiles, n)` for any number of rows.
+"""specchat's own CPU kernels (kernels/): the 4-bit matmul (`Int4Rows` packed once into tiles, then
+`torch.ops.specchat.q4_linear(x, tiles, n)` for any number of rows), the argmax head's int8
+logits (`q8_head`, `q8_head_candidates`) and verify-row attention (`attend_rows`, AVX512).
 
 Why our own: torch's int4 kernel redoes its arithmetic for every row of a verify block (~14% of a
-pass a row) and ties its results to how many rows come. This one unpacks each weight tile once
-for up to 8 rows and multiplies with int8 dot products (llama.cpp's q8_1 activations), and a row's
-result has the same bits however many rows come, however many threads run, on every ISA
-(tests/native/test_q4_kernel.py). Re-measure: scripts/q4_kernel_bench.py.
+pass a row) and ties its results to how many rows come. These unpack each weight tile once for up
+to 8 rows and multiply with int8 dot products (llama.cpp's q8_1 activations), and a row's result
+has the same bits however many rows come, however many threads run, on every ISA
+(tests/native/test_q4_kernel.py). Re-measure: scripts/q4_kernel_bench.py, scripts/decode_step.py.
 
 The C++ is compiled once per torch version and source (10-20 s on 2 cores, into torch's extension
-cache, ~/.cache/torch_extensions) when an int4 model first loads; later starts load the library. Where it cannot be built, or
-with SPECCHAT_Q4_KERNEL=0, the engine runs torch's int4 kernel as before, said in one line.
+cache, ~/.cache/torch_extensions) when a model first loads; later starts only load the library.
+Where it cannot be built, or with SPECCHAT_Q4_KERNEL=0, the engine runs torch's kernels as before,
+said in one line.
 """
 from __future__ import annotations
 
@@ -30,7 +32,6 @@ SOURCES = ("q4_op.cpp", "q4_ref.cpp", "q4_avx2.cpp", "q4_avx512vnni.cpp", "atten
 KERNEL_DIR = Path(__file__).parent / "kernels"
 TILE_COLS = 16
 INT4_GROUP = 32  # inputs a scale covers (int4.INT4_GROUP; not imported: int4.py imports this module)
-TILE_BYTES = 320  # sizeof(q4_tile): 256 bytes of nibbles, 16 float16 scales, 16 float16 offsets
 
 
 def disabled() -> bool:
