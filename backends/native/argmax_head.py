@@ -10,12 +10,15 @@ argmax of logits / T plus noise, so:
 2. a rigorous bound E on |A - float32 logits| per entry (Cauchy-Schwarz on the weight and
    activation rounding, plus float32 accumulation and, on torch's kernel, its bfloat16 output);
 3. every token whose score could still be the best ((A + E) / T + noise >= max((A - E) / T +
-   noise): about ten per row when greedy, several hundred at T = 0.7) gets its logit recomputed in
-   float32 from the exact weights, and its score with the sampler's own arithmetic.
+   noise): about ten per row when greedy, several hundred at T = 0.7) gets its float32 logit
+   computed, and its score with the sampler's own arithmetic; the best of those is the choice.
 
-The choice is the one `sampling.sample` makes from float32 logits (top-k and top-p still need
-every logit, and take the float32 head). Every step works row by row (the int8 kernel is
-row-invariant), so a verify block's rows choose what single-token passes choose.
+The float32 logits are each token's dot product summed in one fixed order (kernels/q4.h's
+head_dot on specchat's kernel, else torch's product-then-sum of that token alone), never a GEMM's,
+whose order can change with the number of rows. So the choice is the argmax of well-defined
+float32 logits, and a row's choice is a function of that row alone: a verify block's rows choose
+what single-token passes choose, with no near-tie left to settle. (Top-k and top-p need every
+logit, and take the float32 head's GEMM.)
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ class ArgmaxHead:
         """weight: the float32 head [vocab, dim] on CPU (kept by reference, not copied);
         own_kernel: the int8 logits from specchat's kernel (q4_kernel.py), else torch's."""
         w = weight.float()
-        self.weight = w
+        self.weight = w.contiguous()
         self.scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
         self.q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
         # per token: ||w - w_int8|| and max(||w||, ||w_int8||), as rows of one [2, vocab] matrix,
@@ -75,53 +78,40 @@ class ArgmaxHead:
             # specchat's kernel sums a row's blocks in float32 (one fma a block) and scales once
             self.own_gamma = (w.shape[1] // 32 + 2) * torch.finfo(torch.float32).eps
 
-    def choose(self, states: Tensor, positions: Sequence[int], s: Sampling,
-               full_head: Callable[[Tensor, Sequence[int]], Tensor] | None = None) -> Tensor:
-        """The token `sampling.sample` picks from the float32 logits, for greedy decoding (argmax of
-        the logits) or temperature sampling without top-k / top-p (argmax of logits / T plus the
-        position-keyed noise): only tokens whose score could still be the best are recomputed.
-
-        The recomputed logits are float32 dot products summed in another order than the float32
-        head's GEMM, so where a row's best two scores lie within both orders' rounding of each
-        other the choice could differ from the float32 head's: such rows (rare) are handed to
-        `full_head(rows, positions)`, the float32 head itself, when given."""
+    def choose(self, states: Tensor, positions: Sequence[int], s: Sampling) -> Tensor:
+        """The token `sampling.sample` picks from the float32 logits (`exact`), for greedy decoding
+        (their argmax) or temperature sampling without top-k / top-p (argmax of logits / T plus the
+        position-keyed noise): only tokens whose score could still be the best are computed."""
         x = states.float()
+        if s.greedy and self.tiles is not None:  # every step in one call of specchat's kernel
+            return torch.ops.specchat.head_choose(x, self.tiles, self.scale32, self.norms, self.weight, self.gamma,
+                                                  self.own_gamma, _SLACK, _SCORE_SLACK)
+        approx, bound = self._approx(x)
+        high, low = approx + bound, approx - bound  # each token's logit lies in between
         noise = None
-        if s.greedy and self.tiles is not None:  # the same steps in one call of specchat's kernel
-            rows, ids = torch.ops.specchat.q8_head_candidates(x, self.tiles, self.scale32, self.norms, self.gamma,
-                                                              self.own_gamma, _SLACK, _SCORE_SLACK)
-        else:
-            approx, bound = self._approx(x)
-            high, low = approx + bound, approx - bound  # each token's logit lies in between
-            if not s.greedy:  # scores are logits / T + noise: the same shift for both ends
-                noise = sampler.gumbel_noise(s.seed, positions, approx.shape[1], x.device)
-                high = torch.add(noise, high, alpha=1 / s.temperature)
-                low = torch.add(noise, low, alpha=1 / s.temperature)
-            best_low, best_high = low.amax(1, keepdim=True), high.amax(1, keepdim=True)
-            # a candidate's bounds lie between best_low and best_high, so a slack relative to those two
-            # is far above the rounding of the few operations behind them
-            margin = (best_low.abs() + best_high.abs() + 1) * _SCORE_SLACK
-            rows, ids = (high >= best_low - 2 * margin).nonzero(as_tuple=True)
-        exact = (self.weight[ids] * x[rows]).sum(-1)  # the float32 logits of the tokens that could win
+        if not s.greedy:  # scores are logits / T + noise: the same shift for both ends
+            noise = sampler.gumbel_noise(s.seed, positions, approx.shape[1], x.device)
+            high = torch.add(noise, high, alpha=1 / s.temperature)
+            low = torch.add(noise, low, alpha=1 / s.temperature)
+        best_low = low.amax(1, keepdim=True)
+        # a candidate's bounds lie between best_low and the best upper end, so a slack relative to
+        # those two is far above the rounding of the few operations behind them
+        margin = (best_low.abs() + high.amax(1, keepdim=True).abs() + 1) * _SCORE_SLACK
+        rows, ids = (high >= best_low - 2 * margin).nonzero(as_tuple=True)
+        exact = self.exact(x, rows, ids)
         # the sampler's own arithmetic on them (x / T + noise), so ties break as it breaks them
         scores = exact if noise is None else exact / s.temperature + noise[rows, ids]
-        # how far another summation order could move each score: float32 accumulation over `dim`
-        # products, |x| |w| per token (Cauchy-Schwarz)
-        spread = self.gamma * x.norm(dim=1)[rows] * self.norms[1, ids] / (1.0 if noise is None else s.temperature)
-        chosen, unsure = [], []
-        for r in range(len(x)):
-            mine = rows == r
-            row_scores, row_spread = scores[mine], spread[mine]
-            best = int(row_scores.argmax())  # ids ascend within a row: the first of equal scores, as the sampler
-            close = row_scores >= row_scores[best] - row_spread[best] - row_spread
-            close[best] = False
-            if full_head is not None and bool(close.any()):
-                unsure.append(r)
-            chosen.append(ids[mine][best])
-        out = torch.stack(chosen)
-        if unsure:
-            out[unsure] = full_head(states[unsure], [positions[r] for r in unsure]).to(out.dtype)
-        return out
+        # per row the best score, and of equal ones the first token (ids ascend within a row), as the sampler
+        best = torch.full((len(x),), -torch.inf).scatter_reduce(0, rows, scores, "amax")
+        top = (scores == best[rows]).nonzero().squeeze(1)
+        first = torch.full((len(x),), len(ids)).scatter_reduce(0, rows[top], top, "amin")
+        return ids[first]
+
+    def exact(self, x: Tensor, rows: Tensor, ids: Tensor) -> Tensor:
+        """The float32 logits of token ids[i] for row rows[i] of x, each summed in one fixed order."""
+        if self.tiles is not None:
+            return torch.ops.specchat.head_dots(x, self.weight, rows, ids)
+        return (self.weight[ids] * x[rows]).sum(-1)
 
     def _approx(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return self._approx_own(x) if self.tiles is not None else self._approx_torch(x)

@@ -320,8 +320,7 @@ class Transformer(nn.Module):
         the cheaper `ArgmaxHead` where the choice is an argmax over every token (greedy, or
         temperature sampling without top-k / top-p)."""
         if self.argmax_head is not None and sampler.argmax_over_vocabulary(s):
-            return self.argmax_head.choose(states, positions, s,
-                                           full_head=lambda rows, at: sampler.sample(self.logits(rows), at, s))
+            return self.argmax_head.choose(states, positions, s)
         return sampler.sample(self.logits(states), positions, s)
 
     def verify_chunk(self, s: Sampling) -> int | None:

@@ -1,6 +1,7 @@
 """specchat's own CPU kernels (kernels/): the 4-bit matmul (`Int4Rows` packed once into tiles, then
 `torch.ops.specchat.q4_linear(x, tiles, n)` for any number of rows), the argmax head's int8
-logits (`q8_head`, `q8_head_candidates`) and verify-row attention (`attend_rows`, AVX512).
+logits and its choice (`q8_head`, `head_choose`, `head_dots`: float32 logits summed in one fixed
+order) and verify-row attention (`attend_rows`, AVX512).
 
 Why our own: torch's int4 kernel redoes its arithmetic for every row of a verify block (~14% of a
 pass a row) and ties its results to how many rows come. These unpack each weight tile once for up

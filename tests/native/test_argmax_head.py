@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specchat.backends.base import Request, Sampling, run_to_summary
+from specchat.backends.native import q4_kernel
 from specchat.backends.native.argmax_head import ArgmaxHead, for_head
 from specchat.backends.native.engine import TorchBackend
 from specchat.backends.native.sampling import sample
@@ -15,12 +16,19 @@ CHOICES = [Sampling(), Sampling(temperature=0.7, seed=3), Sampling(temperature=1
            Sampling(temperature=0.2, seed=1)]
 
 
-def exact_logits(weight: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-    """Every logit computed as the head recomputes its candidates (float32, product then sum)."""
-    return (weight[None] * states[:, None]).sum(-1)
+OWN = pytest.param(True, marks=pytest.mark.skipif(not q4_kernel.available(), reason="specchat's kernel not built"),
+                   id="own-kernel")
+KERNELS = [pytest.param(False, id="torch-int8"), OWN]
 
 
-def skewed_head(seed: int, vocab: int = 3000, dim: int = 96) -> torch.Tensor:
+def exact_logits(head: ArgmaxHead, states: torch.Tensor) -> torch.Tensor:
+    """Every logit, computed as the head computes its candidates' (one fixed order a token)."""
+    vocab = head.weight.shape[0]
+    rows = torch.arange(len(states)).repeat_interleave(vocab)
+    return head.exact(states.float(), rows, torch.arange(vocab).repeat(len(states))).view(len(states), vocab)
+
+
+def skewed_head(seed: int, vocab: int = 3008, dim: int = 96) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(vocab, dim, generator=g) * 0.05
     w[::7, ::5] *= 20  # outlier weights make the int8 rows coarse
@@ -36,14 +44,26 @@ def states_with_near_ties(w: torch.Tensor, seed: int, rows: int = 48) -> torch.T
     return states
 
 
+@pytest.mark.parametrize("own", KERNELS)
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("s", CHOICES, ids=["greedy", "t0.7", "t1.0", "t0.2"])
-def test_the_choice_is_the_samplers_on_float32_logits(seed, s):
+def test_the_choice_is_the_samplers_on_float32_logits(seed, s, own):
     w = skewed_head(seed)
     states = states_with_near_ties(w, seed)
     positions = list(range(40, 40 + len(states)))
-    want = sample(exact_logits(w, states), positions, s)
-    assert torch.equal(ArgmaxHead(w).choose(states, positions, s), want)
+    head = ArgmaxHead(w, own)
+    want = sample(exact_logits(head, states), positions, s)
+    assert torch.equal(head.choose(states, positions, s), want)
+    # the logits are float32 sums in one order; a GEMM's order gives other bits
+    assert not torch.equal(exact_logits(head, states), states @ w.T)
+
+
+@pytest.mark.parametrize("own", KERNELS)
+def test_exact_ties_go_to_the_first_token(own):
+    w = skewed_head(9, dim=128)
+    w[17] = w[2000] = 2.0  # a duplicate row, far ahead of the rest: equal logits, token 17 first
+    states = torch.ones(3, w.shape[1])
+    assert ArgmaxHead(w, own).choose(states, [5, 6, 7], Sampling()).tolist() == [17, 17, 17]
 
 
 def test_the_bound_holds_and_the_int8_scores_alone_would_choose_differently():
@@ -52,7 +72,7 @@ def test_the_bound_holds_and_the_int8_scores_alone_would_choose_differently():
     head = ArgmaxHead(w)
     assert head.within_bound(states)
     approx = torch.ops.aten._weight_int8pack_mm(states.bfloat16(), head.q, head.scale).float()
-    assert not torch.equal(approx.argmax(-1), exact_logits(w, states).argmax(-1))  # recomputing is needed
+    assert not torch.equal(approx.argmax(-1), exact_logits(head, states).argmax(-1))  # recomputing is needed
 
 
 def test_a_kernel_outside_the_bound_means_no_argmax_head(monkeypatch):
@@ -63,11 +83,12 @@ def test_a_kernel_outside_the_bound_means_no_argmax_head(monkeypatch):
     assert for_head(w, torch.ones(w.shape[1])) is None  # the engine keeps the float32 head
 
 
+@pytest.mark.parametrize("own", KERNELS)
 @pytest.mark.parametrize("s", CHOICES[:2], ids=["greedy", "t0.7"])
-def test_rows_choose_the_same_however_many_come_together(s):
-    w = skewed_head(7)
-    states = torch.randn(12, w.shape[1], generator=torch.Generator().manual_seed(3)) * 8
-    head, positions = ArgmaxHead(w), list(range(12))
+def test_rows_choose_the_same_however_many_come_together(s, own):
+    w = skewed_head(7, dim=128)
+    states = states_with_near_ties(w, 7, rows=12)
+    head, positions = ArgmaxHead(w, own), list(range(12))
     together = head.choose(states, positions, s)
     for size in (1, 2, 5):
         parts = torch.cat([head.choose(states[i:i + size], positions[i:i + size], s) for i in range(0, 12, size)])

@@ -138,6 +138,30 @@ def test_each_head_row_has_its_one_row_bits_on_every_isa(m, vb, kb, seed, thread
     assert bool(((logits.double() - exact).abs() <= bound).all())
 
 
+def head_dot_order(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """kernels/q4.h's head_dot written out: 16 lanes of float32 product-then-sum, folded in halves."""
+    s = torch.zeros(w.shape[0], 16)
+    for k in range(0, w.shape[1], 16):
+        s = s + w[:, k:k + 16] * x[k:k + 16]
+    for half in (8, 4, 2, 1):
+        s = s[:, :half] + s[:, half:2 * half]
+    return s[:, 0]
+
+
+@settings(max_examples=10, deadline=None)
+@given(kb=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_head_dots_sum_in_the_one_documented_order(kb, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(37, 16 * kb, generator=g) * torch.rand(37, 1, generator=g) * 10
+    x = torch.randn(3, 16 * kb, generator=g)
+    rows = torch.randint(0, 3, (50,), generator=g)
+    ids = torch.randint(0, 37, (50,), generator=g)
+    got = torch.ops.specchat.head_dots(x, w, rows, ids)
+    want = torch.stack([head_dot_order(w[i:i + 1], x[r])[0] for r, i in zip(rows.tolist(), ids.tolist())])
+    assert torch.equal(got, want)
+    assert not torch.equal(want, (w[ids].double() * x[rows].double()).sum(-1).float()) or kb == 1  # rounding shows
+
+
 attention = pytest.mark.skipif(not q4_kernel.attention_kernel_fits(9, 3, 64, torch.bfloat16),
                                reason="the attention kernel runs on AVX512 only")
 

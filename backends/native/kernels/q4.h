@@ -72,3 +72,11 @@ void q8_head_ref(const q8_tile* tiles, int kb, const float* scale, const q8_row*
 void q8_head_avx2(const q8_tile* tiles, int kb, const float* scale, const q8_row* rows, int M, float* y, long ldy);
 void q8_head_avx512vnni(const q8_tile* tiles, int kb, const float* scale, const q8_row* rows, int M, float* y,
                         long ldy);
+
+// ---- the float32 logits the head's choice is made from (argmax_head.py) ----
+// One fixed summation order for a token's logit w . x (K % 16 == 0), so that a row's choice never
+// depends on which other rows or tokens are computed with it: 16 partial sums, lane j over
+// k = j, j + 16, ..., each step s[j] = s[j] + w[k] x[k] (product and sum each rounded to float32,
+// never fused), then the lanes folded in halves: s[j] += s[j + 8], s[j] += s[j + 4], s[j] += s[j + 2],
+// s[0] + s[1]. Plain IEEE float32 operations, so any vector width gives the same bits.
+#define HEAD_DOT_LANES 16

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -238,22 +239,19 @@ at::Tensor attend_rows(const at::Tensor& q_in, const at::Tensor& k, const at::Te
     return y;
 }
 
-// The greedy choice's candidates (argmax_head.py's `choose`): the int8 head's logits of x [M, K]
-// and, per token, the bound c0 norms[0] + c1 norms[1] on their distance from the float32 logits,
-// with c0 = max(||x8||, ||x|| slack) slack and c1 = (||x - x8|| + gamma ||x|| slack + own_gamma ||x8||)
-// slack; every token whose upper end reaches the best lower end (less a margin) -> (rows, ids),
-// ascending. Each row on its own.
-std::tuple<at::Tensor, at::Tensor> q8_head_candidates(const at::Tensor& x_in, const at::Tensor& tiles,
-                                                      const at::Tensor& scale, const at::Tensor& norms,
-                                                      double gamma, double own_gamma, double slack,
-                                                      double score_slack) {
-    const at::Tensor x = x_in.to(at::kFloat).contiguous().view({-1, x_in.size(-1)});
+// The tokens that could be a row's argmax (argmax_head.py's `choose`): from the int8 head's logits
+// A of x [M, K] and, per token, the bound c0 norms[0] + c1 norms[1] on their distance from the float32
+// logits, with c0 = max(||x8||, ||x|| slack) slack and c1 = (||x - x8|| + gamma ||x|| slack +
+// own_gamma ||x8||) slack: every token whose upper end reaches the best lower end (less a margin),
+// as (row, id) pairs, ascending. Each row on its own.
+void head_candidates(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& norms,
+                     double gamma, double own_gamma, double slack, double score_slack, std::vector<int64_t>& rows,
+                     std::vector<int64_t>& ids) {
     auto [logits, act] = head_on(x, tiles, scale, chosen());
     const int64_t M = x.size(0), K = x.size(1), V = scale.numel();
     TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == 2 * V,
-                "q8_head_candidates: norms must be contiguous float32 [2, V]");
+                "head_choose: norms must be contiguous float32 [2, V]");
     const float *w0 = norms.data_ptr<float>(), *w1 = w0 + V, *A = logits.data_ptr<float>(), *a = act.data_ptr<float>();
-    std::vector<int64_t> rows, ids;
     std::vector<float> bound(V);
     for (int64_t m = 0; m < M; m++) {
         double x2 = 0;
@@ -274,12 +272,63 @@ std::tuple<at::Tensor, at::Tensor> q8_head_candidates(const at::Tensor& x_in, co
         for (int64_t v = 0; v < V; v++)
             if (Am[v] + bound[v] >= floor) rows.push_back(m), ids.push_back(v);
     }
-    auto to_tensor = [](const std::vector<int64_t>& values) {
-        at::Tensor t = at::empty({(int64_t)values.size()}, at::TensorOptions().dtype(at::kLong));
-        std::memcpy(t.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
-        return t;
-    };
-    return {to_tensor(rows), to_tensor(ids)};
+}
+
+// A token's float32 logit in the head's one summation order (q4.h's head_dot).
+float head_dot(const float* w, const float* x, int64_t K) {
+    float s[HEAD_DOT_LANES] = {};
+    for (int64_t k = 0; k < K; k += HEAD_DOT_LANES)
+        for (int j = 0; j < HEAD_DOT_LANES; j++) s[j] += w[k + j] * x[k + j];
+    for (int half = HEAD_DOT_LANES / 2; half >= 1; half /= 2)
+        for (int j = 0; j < half; j++) s[j] += s[j + half];
+    return s[0];
+}
+
+const float* head_weight(const at::Tensor& weight, int64_t K, const char* op) {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2 &&
+                    weight.size(1) == K && K % HEAD_DOT_LANES == 0,
+                op, ": the head must be contiguous float32 [V, K], K % 16 == 0");
+    return weight.data_ptr<float>();
+}
+
+// The greedy choice of each row of x [M, K]: the argmax of the float32 logits (head_dot, weight
+// [V, K]) over the candidates the int8 head leaves, the first of equal logits -> int64 [M].
+at::Tensor head_choose(const at::Tensor& x_in, const at::Tensor& tiles, const at::Tensor& scale,
+                       const at::Tensor& norms, const at::Tensor& weight, double gamma, double own_gamma,
+                       double slack, double score_slack) {
+    const at::Tensor x = x_in.to(at::kFloat).contiguous().view({-1, x_in.size(-1)});
+    const int64_t M = x.size(0), K = x.size(1);
+    const float* w = head_weight(weight, K, "head_choose");
+    TORCH_CHECK(weight.size(0) == scale.numel(), "head_choose: the head and its int8 copy differ in size");
+    std::vector<int64_t> rows, ids;
+    head_candidates(x, tiles, scale, norms, gamma, own_gamma, slack, score_slack, rows, ids);
+    at::Tensor chosen = at::zeros({M}, at::TensorOptions().dtype(at::kLong));
+    int64_t* out = chosen.data_ptr<int64_t>();
+    std::vector<float> best(M, -INFINITY);
+    std::vector<bool> seen(M, false);
+    for (size_t i = 0; i < rows.size(); i++) {
+        const int64_t m = rows[i];
+        const float logit = head_dot(w + ids[i] * K, x.data_ptr<float>() + m * K, K);
+        if (!seen[m] || logit > best[m]) best[m] = logit, out[m] = ids[i], seen[m] = true;
+    }
+    return chosen;
+}
+
+// The float32 logits (head_dot) of x's row rows[i] for token ids[i] -> float32 [n].
+at::Tensor head_dots(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& rows_in,
+                     const at::Tensor& ids_in) {
+    const at::Tensor x = x_in.to(at::kFloat).contiguous().view({-1, x_in.size(-1)});
+    const int64_t M = x.size(0), K = x.size(1), V = weight.size(0);
+    const float* w = head_weight(weight, K, "head_dots");
+    const at::Tensor rows = rows_in.to(at::kLong).contiguous(), ids = ids_in.to(at::kLong).contiguous();
+    TORCH_CHECK(rows.numel() == ids.numel(), "head_dots: rows and ids differ in length");
+    at::Tensor y = at::empty({ids.numel()}, x.options());
+    const int64_t *r = rows.data_ptr<int64_t>(), *t = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < ids.numel(); i++) {
+        TORCH_CHECK(r[i] >= 0 && r[i] < M && t[i] >= 0 && t[i] < V, "head_dots: a row or id out of range");
+        y.data_ptr<float>()[i] = head_dot(w + t[i] * K, x.data_ptr<float>() + r[i] * K, K);
+    }
+    return y;
 }
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n) {
@@ -315,8 +364,9 @@ TORCH_LIBRARY(specchat, m) {
     m.def("q4_linear_on(Tensor x, Tensor tiles, int n, str isa) -> Tensor");
     m.def("q8_head(Tensor x, Tensor tiles, Tensor scale) -> (Tensor, Tensor)");
     m.def("q8_head_on(Tensor x, Tensor tiles, Tensor scale, str isa) -> (Tensor, Tensor)");
-    m.def("q8_head_candidates(Tensor x, Tensor tiles, Tensor scale, Tensor norms, float gamma, float own_gamma, "
-          "float slack, float score_slack) -> (Tensor, Tensor)");
+    m.def("head_choose(Tensor x, Tensor tiles, Tensor scale, Tensor norms, Tensor weight, float gamma, "
+          "float own_gamma, float slack, float score_slack) -> Tensor");
+    m.def("head_dots(Tensor x, Tensor weight, Tensor rows, Tensor ids) -> Tensor");
     m.def("attend_rows(Tensor q, Tensor k, Tensor v, SymInt start) -> Tensor");
     m.def("q4_isa() -> str", q4_isa);
     m.def("q4_isas() -> str[]", q4_isas);
@@ -328,5 +378,6 @@ TORCH_LIBRARY_IMPL(specchat, CPU, m) {
     m.impl("q8_head", q8_head);
     m.impl("q8_head_on", q8_head_on);
     m.impl("attend_rows", attend_rows);
-    m.impl("q8_head_candidates", q8_head_candidates);
+    m.impl("head_choose", head_choose);
+    m.impl("head_dots", head_dots);
 }
