@@ -93,6 +93,11 @@ class LlamaCppBackend(Backend):
         path = Path(gguf_path)
         if not path.is_file():
             raise BackendError(f"{path}: no such GGUF file; fix `model:` in the profile")
+        from .native.gguf_loader import read_index
+
+        # checked first: the probe below would take a broken file's failure for a CPU path that
+        # faults and remember that, and llama.cpp would only say it failed to load
+        read_index(path, cache_dir)
         self.threads = thread_count(threads)
         safe = extra_buffers_work(path, cache_dir)
         try:

@@ -10,14 +10,13 @@ measured peak).
 """
 from __future__ import annotations
 
-import json
 import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from specchat.backends.base import BackendError
+from specchat.backends.weight_files import safetensors_header
 from specchat.models import resolve_model
 from specchat.profiles import Profile
 
@@ -43,16 +42,8 @@ def read_checkpoint(path: Path, kind: str) -> Checkpoint:
         quantized = any(t.tensor_type.name.startswith("Q4") for t in tensors)
         return Checkpoint(params, path.stat().st_size, quantized)
     params = stored = 0
-    for shard in sorted(Path(path).glob("*.safetensors")):
-        with shard.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        for name, t in header.items():
-            if name != "__metadata__":
-                count = 1
-                for d in t["shape"]:
-                    count *= d
-                params += count
+    for shard in sorted(Path(path).glob("*.safetensors")):  # each header checked against the file's size
+        params += safetensors_header(shard).parameters
         stored += shard.stat().st_size
     return Checkpoint(params, stored, False)
 

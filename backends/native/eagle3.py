@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..base import BackendError
+from ..weight_files import load_safetensors
 from .config import ModelConfig, read_hf_json
 from .draft_vocab import VocabHead
 from .int4 import int4_if_fits, quantize_layer
@@ -82,11 +83,9 @@ def detect_format(config: dict) -> str | None:
 def _tensors(path: Path) -> dict[str, Tensor]:
     """Every tensor of the head (small: one layer), by name without a leading `model.`."""
     if list(path.glob("*.safetensors")):
-        from safetensors.torch import load_file
-
         found: dict[str, Tensor] = {}
         for f in sorted(set(safetensors_files(path).values())):
-            found |= load_file(str(f))
+            found |= load_safetensors(f)
     elif (path / "pytorch_model.bin").exists():
         try:
             found = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)

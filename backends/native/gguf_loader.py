@@ -25,6 +25,7 @@ from .config import ModelConfig
 from .int4 import Int4Rows
 from .weights import Checkpoint, progress, refuse_unknown
 from ..derived_files import derived_path
+from ..weight_files import BrokenWeightFile, gguf_reader
 
 _LAYER_NAMES = {
     "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
@@ -98,18 +99,17 @@ def index_path(path: Path, cache_dir: Path) -> Path:
 
 def read_index(path: Path, cache_dir: Path | None = None) -> GgufIndex:
     """The file's metadata and tensor layout: from the cached index, else parsed (and cached)."""
-    import gguf
-
     cached = index_path(path, cache_dir) if cache_dir is not None else None
     if cached is not None:
         try:
             return GgufIndex.from_json(cached.read_text(), path)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # not cached yet, or unreadable: parse the file again
+    reader = gguf_reader(path)
     try:
-        index = GgufIndex.from_reader(gguf.GGUFReader(str(path)))
-    except Exception as e:
-        raise BackendError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        index = GgufIndex.from_reader(reader)
+    except Exception as e:  # noqa: BLE001 - a field whose type and value disagree
+        raise BrokenWeightFile(path, f"its metadata does not parse ({type(e).__name__}: {e})") from None
     if cached is None:
         return index
     try:

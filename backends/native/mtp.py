@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..base import BackendError
+from ..weight_files import open_safetensors
 from .config import ModelConfig, read_hf_json
 from .draft_vocab import VocabHead
 from .int4 import int4_if_fits, quantize_layer
@@ -120,8 +121,6 @@ def _sparse_layers(c: dict) -> list[int]:
 def read_mtp(path: Path, cfg: ModelConfig) -> MtpWeights:
     """The MTP layers in `path` (the target's own checkpoint, or a separate head directory), read
     and checked against the target's shape `cfg`. Raises BackendError naming what is wrong."""
-    from safetensors import safe_open
-
     path = Path(path)
     if path.suffix.lower() == ".gguf":
         raise BackendError(f"{path}: MTP heads are read from safetensors checkpoints; for a GGUF target set "
@@ -156,7 +155,7 @@ def read_mtp(path: Path, cfg: ModelConfig) -> MtpWeights:
             raise BackendError(f"{path}: MTP tensor {name} missing ({layout.models} layout)")
         f = where[name]
         if f not in files:
-            files[f] = safe_open(f, framework="pt")
+            files[f] = open_safetensors(f)
         return files[f].get_tensor(name).float()
 
     layers = []

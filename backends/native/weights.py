@@ -9,7 +9,6 @@ DFlash drafters and the trainers' exports use it too.
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 from contextlib import contextmanager
@@ -20,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..base import BackendError
+from ..weight_files import BrokenWeightFile, open_safetensors, safetensors_header, safetensors_index
 from . import argmax_head
 from .config import COMPLETE, ModelConfig, read_hf_config
 from .gated_delta import recurrent_layer
@@ -96,21 +96,17 @@ def layer_tensors(layer: DecoderLayer) -> dict[str, Tensor]:
 
 
 def safetensors_files(path: Path) -> dict[str, Path]:
-    """tensor name -> file holding it."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / f for name, f in weight_map.items()}
+    """tensor name -> file holding it, every file's header checked against its size (weight_files.py)."""
+    if (path / "model.safetensors.index.json").exists():
+        out = safetensors_index(path)
+        for name, f in out.items():
+            if name not in safetensors_header(f).tensors:
+                raise BrokenWeightFile(f, f"model.safetensors.index.json puts {name} in it, it does not hold it")
+        return out
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise BackendError(f"{path}: no *.safetensors files; the torch engine reads safetensors checkpoints")
-    from safetensors import safe_open
-
-    out = {}
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            out.update({name: f for name in st.keys()})
-    return out
+    return {name: f for f in files for name in safetensors_header(f).tensors}
 
 
 # A Gated DeltaNet layer's tensors (Qwen3.5's split projections) under short names
@@ -141,8 +137,6 @@ def ungroup_qkvz(qkvz: Tensor, ba: Tensor, shape) -> dict[str, Tensor]:
 
 
 def load_hf_dir(path: Path) -> Checkpoint:
-    from safetensors import safe_open
-
     cfg = read_hf_config(path)
     where = safetensors_files(path)
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in where) else "model."
@@ -160,7 +154,7 @@ def load_hf_dir(path: Path) -> Checkpoint:
         by_file.setdefault(f, []).append(name)
     with progress(f"loading {path.name}", len(where)) as advance:
         for f, names in by_file.items():
-            with safe_open(f, framework="pt") as st:
+            with open_safetensors(f) as st:
                 for name in names:
                     tensors[name] = st.get_tensor(name).float()
                     advance()

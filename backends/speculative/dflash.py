@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..base import BackendError, Sampling
+from ..weight_files import open_safetensors
 from ..native.config import ModelConfig
 from ..native.int4 import int4_if_fits, quantize_layer
 from ..native.layers import RMSNorm, decoder_layer, rope_inv_freq, rope_tables
@@ -236,8 +237,6 @@ def check_fits(cfg: DFlashConfig, target_cfg: ModelConfig, where: str) -> None:
 
 def load_dflash(path: Path, target_cfg: ModelConfig) -> DFlashModel:
     """A DFlash drafter directory (config.json + safetensors, sharded or not), checked against the target."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not (path / "config.json").exists():
         raise BackendError(f"{path}: no config.json; expected a DFlash drafter directory")
@@ -254,7 +253,7 @@ def load_dflash(path: Path, target_cfg: ModelConfig) -> DFlashModel:
         raise BackendError(f"{path}: tensor {missing[0]} missing ({len(missing)} in all); is this a DFlash checkpoint?")
     tensors = {}
     for f in sorted(set(where.values())):
-        with safe_open(f, framework="pt") as st:
+        with open_safetensors(f) as st:
             tensors.update({n: st.get_tensor(n).float() for n in st.keys() if n in want})
     fc_in = len(cfg.target_layer_ids) * cfg.layer.dim
     if tensors["fc.weight"].shape[1] != fc_in:
