@@ -1,0 +1,164 @@
+"""The suffix index against a brute-force reference of what it promises (suffix.py's docstring):
+insertion, the longest match, the counts behind each draft token, bounded eviction and removal."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specchat.backends.speculative.suffix import SuffixIndex, SuffixSettings
+
+END = None
+
+
+def brute_find(sequences: list[list[int]], context: list[int], max_tokens: int, s: SuffixSettings,
+               sizes=(2, 4, 8), max_match=24, recent=256, loop=False):
+    """Every occurrence found by scanning every sequence at every position: (tokens, probs, match)."""
+    places = [(i, p) for i, seq in enumerate(sequences) for p in range(1, len(seq))]  # p: the token after
+
+    def ends_with(i, p, pattern):
+        seq = sequences[i]
+        return p - len(pattern) >= 0 and seq[p - len(pattern):p] == pattern
+
+    n = len(context)
+    anchor, occurrences = 0, []
+    for size in sorted(sizes, reverse=True):
+        if size > n:
+            continue
+        occurrences = [(i, p) for i, p in places if ends_with(i, p, context[n - size:])]
+        if occurrences:
+            anchor = size
+            break
+    if not occurrences:
+        return [], [], 0
+    occurrences = occurrences[-recent:][::-1]  # the latest, newest first
+
+    def match_of(i, p):
+        return max(m for m in range(anchor, min(max_match, n) + 1) if ends_with(i, p, context[n - m:]))
+
+    match = max(match_of(i, p) for i, p in occurrences)
+    live = [(i, p) for i, p in occurrences if match_of(i, p) == match]
+    cap = min(max_tokens, int(match * s.factor + s.offset + 1e-6))
+    tokens, probs, prob = [], [], 1.0
+    while len(tokens) < cap:
+        k = len(tokens)
+
+        def at(i, p):
+            seq = sequences[i]
+            if p + k < len(seq):
+                return seq[p + k]
+            last = loop and i == len(sequences) - 1
+            return tokens[p + k - len(seq)] if last else END
+
+        nexts = [at(i, p) for i, p in live]
+        seen = [t for t in nexts if t is not END]
+        if not seen:
+            break
+        best = max(seen, key=lambda t: (seen.count(t), -seen.index(t)))
+        prob *= seen.count(best) / len(live)
+        if prob < s.min_prob:
+            break
+        tokens.append(best)
+        probs.append(prob)
+        live = [o for o, t in zip(live, nexts) if t == best]
+    return tokens, probs, match
+
+
+def found(index: SuffixIndex, context, max_tokens, s, loop=False):
+    f = index.find(context, max_tokens, s, loop)
+    return f.tokens, f.probs, f.match
+
+
+tokens = st.lists(st.integers(0, 5), min_size=0, max_size=60)  # a small vocabulary: many repeats
+knobs = st.fixed_dictionaries({"min_prob": st.sampled_from([0.0, 0.1, 0.3, 0.6]),
+                               "factor": st.sampled_from([0.5, 1.0, 2.0]),
+                               "offset": st.sampled_from([0.0, 1.0])})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(tokens, min_size=1, max_size=6), st.lists(st.integers(0, 5), min_size=1, max_size=30), knobs,
+       st.integers(1, 12), st.sampled_from([1, 3, 256]))
+def test_find_agrees_with_brute_force_over_many_sequences(sequences, context, knobs, depth, recent):
+    s = SuffixSettings(**knobs)
+    index = SuffixIndex(recent=recent, max_match=10)
+    for key, seq in enumerate(sequences):
+        index.add(key, seq)
+    assert found(index, context, depth, s) == pytest.approx(
+        brute_find(sequences, context, depth, s, recent=recent, max_match=10))
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens, st.lists(st.integers(1, 8), min_size=1, max_size=6), knobs, st.integers(1, 12))
+def test_a_growing_conversation_drafts_from_itself_and_reads_on_into_a_loop(stream, steps, knobs, depth):
+    s = SuffixSettings(**knobs)
+    index = SuffixIndex(sizes=(1, 3, 6))
+    context: list[int] = []
+    for grow in steps:  # committed tokens arrive a few at a time, as passes commit them
+        context = (stream + stream)[:len(context) + grow] or [0]
+        index.sync(context)
+        assert found(index, context, depth, s, loop=True) == pytest.approx(
+            brute_find([context], context, depth, s, sizes=(1, 3, 6), loop=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "remove"]), tokens), min_size=1, max_size=25),
+       st.integers(0, 4), st.integers(0, 80), st.lists(st.integers(0, 5), min_size=2, max_size=12))
+def test_bounded_eviction_and_removal_keep_what_a_fifo_would(ops, max_sequences, max_tokens, context):
+    index = SuffixIndex(max_sequences=max_sequences, max_tokens=max_tokens)
+    model: OrderedDict[int, list[int]] = OrderedDict()
+    for key, (op, seq) in enumerate(ops):
+        if op == "remove" and model:
+            victim = list(model)[len(seq) % len(model)]
+            index.remove(victim)
+            del model[victim]
+            continue
+        index.add(key, seq)
+        model[key] = list(seq)
+        while len(model) > 1 and ((max_sequences and len(model) > max_sequences)
+                                  or (max_tokens and sum(map(len, model.values())) > max_tokens)):
+            model.popitem(last=False)
+        assert list(index.spans) == list(model)
+        assert index.live_tokens == sum(map(len, model.values()))
+        assert all(index.sequence(k) == v for k, v in model.items())
+    s = SuffixSettings(min_prob=0.0)
+    assert found(index, context, 8, s) == pytest.approx(brute_find(list(model.values()), context, 8, s))
+
+
+def test_counts_pick_the_continuation_that_followed_most_often():
+    index = SuffixIndex()
+    for key, tail in enumerate([[7, 8], [7, 8], [9, 9], [7, 8]]):
+        index.add(key, [1, 2, 3] + tail)
+    f = index.find([5, 1, 2, 3], 4, SuffixSettings(min_prob=0.1))
+    assert f.tokens == [7, 8] and f.probs == pytest.approx([0.75, 0.75]) and f.match == 3
+    # a stricter threshold drafts nothing: three in four is not enough
+    assert index.find([5, 1, 2, 3], 4, SuffixSettings(min_prob=0.8)).tokens == []
+
+
+def test_a_longer_match_narrows_the_occurrences_and_drafts_further():
+    index = SuffixIndex()
+    index.add("a", [4, 1, 2, 10, 11, 12, 13])
+    index.add("b", [5, 1, 2, 20, 21, 22, 23])
+    assert index.find([5, 1, 2], 8).tokens == [20, 21, 22]  # "5 1 2" only in b: a match of 3 drafts 3
+    assert index.find([0, 1, 2], 8, SuffixSettings(min_prob=0.5)).tokens == [20, 21]  # b is the newer of two
+    assert index.find([0, 1, 2], 8, SuffixSettings(min_prob=0.6)).tokens == []
+
+
+def test_removed_sequences_are_never_drafted_from_and_are_compacted_away():
+    index = SuffixIndex()
+    index.add("kept", [1, 2, 3, 4])
+    for key in range(50):
+        index.add(key, [9, 9, 8, 7, 6, 5] * 10)
+        index.remove(key)
+    assert index.find([9, 9], 4).tokens == []
+    assert index.find([1, 2], 4).tokens == [3, 4]
+    assert len(index.flat) < 50 * 61 / 2  # rebuilt once removed tokens outnumbered the live ones
+
+
+def test_rollback_rebuilds_the_conversation():
+    index = SuffixIndex()
+    index.sync([1, 2, 3, 1, 2])
+    assert index.find([1, 2, 3, 1, 2], 4, loop=True).tokens == [3, 1]
+    index.sync([4, 2, 3, 4, 2])
+    assert index.find([4, 2, 3, 4, 2], 4, loop=True).tokens == [3, 4] and index.sequences == 1
