@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from specchat.backends.base import BackendError
-from specchat.train.store import INFO, MANIFEST, Sample, ShardWriter, read_manifest
+from specchat.backends.weight_files import load_safetensors
+from specchat.train.store import INFO, MANIFEST, SHARD_FIX, Sample, ShardWriter, read_manifest
 
 TOKENS = "tokens.npz"
 MAX_ID = np.iinfo(np.uint16).max
@@ -36,8 +37,6 @@ def read_corpus(corpus: Path) -> tuple[list[dict], np.ndarray]:
 
 def pack(data: Path, out: Path) -> int:
     """Add the samples of the data directory `data` that `out` lacks; returns how many were added."""
-    from safetensors.torch import load_file
-
     manifest = read_manifest(data)
     if not manifest:
         raise BackendError(f"{data}: no samples (manifest.jsonl); run `specchat train data` first")
@@ -56,7 +55,7 @@ def pack(data: Path, out: Path) -> int:
     for m in manifest:
         if m["id"] in have:
             continue
-        sh = shards.setdefault(m["shard"], load_file(str(data / m["shard"]))["tokens"])
+        sh = shards.setdefault(m["shard"], load_safetensors(data / m["shard"], SHARD_FIX)["tokens"])
         ids = sh[m["offset"]:m["offset"] + m["prompt_len"] + m["reply_len"]].numpy()
         if ids.size and int(ids.max()) > MAX_ID:
             raise BackendError(f"{data}: token id {int(ids.max())} does not fit uint16; this corpus format is "

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specchat.backends.base import BackendError
+from specchat.backends.weight_files import BrokenWeightFile, load_safetensors, safetensors_header
 from specchat.backends.native.config import ModelConfig
 from specchat.backends.native.model import FINAL
 from specchat.backends.speculative.dflash import (FULL, DFlashConfig, DFlashModel, build_target_layer_ids, check_fits,
@@ -73,15 +74,16 @@ def drafter_config(shape: DFlashShape, t: ModelConfig, mask_token_id: int) -> DF
 def target_features(engine, examples: list[Example], keys: tuple[int, ...], cache: Path, say) -> list[torch.Tensor]:
     """Per sample, the concatenated hidden states [T, len(keys) * D] (bfloat16), cached in `cache`
     (kept only for the same target layers, precision and samples)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     made_by = json.dumps({"layers": keys, "precision": engine.precision, "samples": [e.id for e in examples]})
     if cache.exists():
-        with safe_open(str(cache), framework="pt") as f:
-            same = (f.metadata() or {}).get("made_by") == made_by
+        try:
+            same = safetensors_header(cache).metadata.get("made_by") == made_by
+        except BrokenWeightFile:  # cut short (a disk that filled up): made again
+            same = False
         if same:
-            stored = load_file(str(cache))
+            stored = load_safetensors(cache)
             return [stored[e.id] for e in examples]
     out = []
     started = time.perf_counter()

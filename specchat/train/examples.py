@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from specchat.backends.base import BackendError
-from specchat.train.store import read_manifest
+from specchat.backends.weight_files import load_safetensors
+from specchat.train.store import SHARD_FIX, read_manifest
 
 
 @dataclass
@@ -26,8 +27,6 @@ def load_examples(dirs: list[Path], max_prompt_tokens: int | None = None) -> lis
     """Every sample of the data directories (a prompt id seen twice is kept once), sorted by id;
     with `max_prompt_tokens`, only samples whose prompt is at most that long (long documents cost
     the target's feature pass far more than their replies add)."""
-    from safetensors.torch import load_file
-
     seen: dict[str, Example] = {}
     for data in dirs:
         manifest = read_manifest(data)
@@ -37,7 +36,7 @@ def load_examples(dirs: list[Path], max_prompt_tokens: int | None = None) -> lis
         for m in manifest:
             if m["reply_len"] == 0 or m["id"] in seen or (max_prompt_tokens and m["prompt_len"] > max_prompt_tokens):
                 continue
-            sh = shards.setdefault(m["shard"], load_file(str(data / m["shard"])))
+            sh = shards.setdefault(m["shard"], load_safetensors(data / m["shard"], SHARD_FIX))
             n = m["prompt_len"] + m["reply_len"]
             lo = m["topk_offset"]
             seen[m["id"]] = Example(m["id"], sh["tokens"][m["offset"]:m["offset"] + n].long(), m["prompt_len"],

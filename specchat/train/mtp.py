@@ -29,6 +29,7 @@ from torch import nn
 
 from specchat import paths
 from specchat.backends.base import BackendError
+from specchat.backends.weight_files import BrokenWeightFile, load_safetensors
 from specchat.backends.native.config import ModelConfig
 from specchat.backends.native.layers import RMSNorm, decoder_layer, rope_inv_freq, rope_tables
 from specchat.backends.native.linear import Linear
@@ -58,15 +59,18 @@ def compute_features(profile, examples, layers: tuple[int, ...], top_k: int, cac
     """The target's states at `layers` (model.forward's keys, concatenated in that order) and its
     next-token distributions over every sequence (cached on disk), on the run's `threads` (0: every
     core), so that a run given fewer threads leaves the other cores alone throughout."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from specchat.loading import load_target
 
     key = hashlib.sha256(json.dumps([profile.model, profile.dtype, list(layers), top_k,
                                      [e.id for e in examples], [int(e.tokens.sum()) for e in examples]]).encode())
     path = cache / f"features-{key.hexdigest()[:16]}.safetensors"
-    if path.exists():
-        st = load_file(str(path))
+    try:
+        st = load_safetensors(path) if path.exists() else None
+    except BrokenWeightFile:  # cut short (a disk that filled up): made again
+        st = None
+    if st is not None:
         return [Entries(e.tokens, st[f"{i}.h"], st[f"{i}.ids"].long(), st[f"{i}.logp"])
                 for i, e in enumerate(examples)]
     engine = load_target(profile, threads=threads, context=max(len(e.tokens) for e in examples) + 1)

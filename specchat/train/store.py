@@ -22,6 +22,7 @@ from specchat.backends.base import BackendError
 
 MANIFEST = "manifest.jsonl"
 INFO = "info.json"
+SHARD_FIX = "make the data again with `specchat train data` (its info.json says how)"  # a broken shard
 
 
 @dataclass
