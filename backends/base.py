@@ -79,6 +79,8 @@ class Step:
     # Whether the pass computed each row exactly as a single-token pass does (native/exact_rows.py),
     # so its tokens are the ones target-only decoding computes; None where the backend cannot say.
     row_exact: bool | None = None
+    # Who guessed the drafts (a drafter's source name: "lookup", "suffix", "history", "mtp", ...); "" for none
+    source: str = ""
 
     @property
     def n_tokens(self) -> int:

@@ -11,7 +11,8 @@ from typing import Callable, Optional
 
 from specchat import paths
 from specchat.backends.base import Backend, BackendError, Sampling
-from specchat.models import local_model
+from specchat.backends.weight_files import BrokenWeightFile
+from specchat.models import local_model, models_dir
 from specchat.profiles import Profile
 
 
@@ -31,15 +32,20 @@ def load_backend(profile: Profile, progress: Optional[Callable[[str], None]] = N
     caller's `prepare_in_background` (a one-shot reply, which it would slow)."""
     from specchat.weight_memory import check_fits
 
-    check_fits(profile)
-    if profile.backend == "openai":
-        return load_server(profile)
-    if profile.backend == "llamacpp":
-        return load_llamacpp(profile)
-    if profile.backend == "llamaserver":
-        return load_llamaserver(profile, progress)
-    backend = (load_speculative(profile, background) if profile.method != "none"
-               else load_target(profile, compile_in_background=background))
+    try:
+        check_fits(profile)
+        if profile.backend == "openai":
+            return load_server(profile)
+        if profile.backend == "llamacpp":
+            return load_llamacpp(profile)
+        if profile.backend == "llamaserver":
+            return load_llamaserver(profile, progress)
+        backend = (load_speculative(profile, background) if profile.method != "none"
+                   else load_target(profile, compile_in_background=background))
+    except BrokenWeightFile as e:
+        if e.path.resolve().parent == models_dir().resolve():  # a named model `specchat pull` fetched
+            raise BrokenWeightFile(e.path, e.problem, "run `specchat pull --force` to fetch it again") from None
+        raise
     if start_background:
         backend.prepare_in_background()
     return backend
@@ -88,10 +94,15 @@ def speculative_settings(profile: Profile):
     spec = profile.speculative
     drafter, kind = (local_model(spec.drafter, profile.base_dir) if spec.drafter
                      else target_path(profile) if spec.method == "mtp" else (None, "auto"))
+    from specchat.backends.speculative.suffix import SuffixSettings
+
+    sx = spec.suffix
+    suffix = SuffixSettings(min_prob=sx.min_prob, factor=sx.factor, max_match=sx.max_match, memory=sx.history,
+                            memory_replies=sx.history_replies, memory_tokens=sx.history_tokens)
     return SpeculativeSettings(
         method=spec.method, drafter=drafter, drafter_kind=kind, depth=spec.depth, acceptance=spec.acceptance,
         ngram_min=spec.ngram_min, ngram_max=spec.ngram_max, lookup=spec.lookup, copy_depth=spec.copy_depth,
-        strict=spec.strict, adaptive=spec.adaptive, mtp_hidden=spec.mtp_hidden)
+        strict=spec.strict, adaptive=spec.adaptive, mtp_hidden=spec.mtp_hidden, suffix_first=sx.first, suffix=suffix)
 
 
 def load_speculative(profile: Profile, background: bool = False):
@@ -102,6 +113,8 @@ def load_speculative(profile: Profile, background: bool = False):
         if settings.method == "mtp" and not profile.speculative.drafter:
             check_builtin_mtp(settings.drafter)  # before loading a big target for a head it cannot use
         return SpeculativeBackend.load(load_target(profile, compile_in_background=background), settings)
+    except BrokenWeightFile:
+        raise  # names the file already
     except BackendError as e:
         raise BackendError(f"profile '{profile.name}': {e}") from None
 

@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-METHODS = ("none", "draft", "ngram", "mtp", "dflash", "replayssm", "eagle3")
+METHODS = ("none", "draft", "ngram", "suffix", "mtp", "dflash", "replayssm", "eagle3")
 MODEL_DRAFTERS = ("draft", "mtp", "dflash", "replayssm", "eagle3")  # the methods `lookup` can sit in front of
 
 
@@ -20,6 +20,22 @@ class SamplingConfig(Strict):
     top_k: int = Field(0, ge=0)
     seed: int = Field(0, ge=0)
     max_tokens: int = Field(512, ge=1)
+
+
+class SuffixConfig(Strict):
+    """Suffix decoding (backends/speculative/suffix.py): for method suffix, or in front of a model drafter."""
+
+    # in front of a model drafter (draft, mtp, dflash, eagle3): suffix decoding proposes first, up to this
+    # many tokens; the model drafter guesses when it has nothing confident. 0: off (method suffix: unused)
+    first: int = Field(0, ge=0, le=64)
+    min_prob: float = Field(0.1, ge=0.0, le=1.0)  # stop drafting where a token's estimated probability falls below
+    factor: float = Field(1.0, gt=0.0, le=16.0)  # at most this many draft tokens per matched token
+    max_match: int = Field(24, ge=8, le=256)  # the longest tail matched
+    # remember earlier replies across conversations: read from the history database when the chat loads
+    # (the newest first, up to `history_replies` replies and `history_tokens` tokens) and grown as replies finish
+    history: bool = True
+    history_replies: int = Field(1000, ge=1)
+    history_tokens: int = Field(200_000, ge=100)
 
 
 class SpeculativeConfig(Strict):
@@ -51,6 +67,12 @@ class SpeculativeConfig(Strict):
     # after a verify block: keep the state after every row (snapshot) or one checkpoint and the
     # block's inputs, replayed (replay, ReplaySSM). auto: the cheaper on the device (docs/results.md).
     rollback: Literal["auto", "snapshot", "replay"] = "auto"
+    suffix: SuffixConfig = SuffixConfig()
+
+    @property
+    def suffix_drafts(self) -> bool:
+        """Whether suffix decoding drafts (alone or in front of a model drafter)."""
+        return self.method == "suffix" or bool(self.suffix.first)
 
     @model_validator(mode="after")
     def _check(self):
@@ -67,6 +89,12 @@ class SpeculativeConfig(Strict):
         if self.lookup and self.method not in MODEL_DRAFTERS:
             raise ValueError(f"`lookup` puts prompt lookup in front of a model drafter ({', '.join(MODEL_DRAFTERS)}); "
                              f"method '{self.method}' has none (for prompt lookup alone use method: ngram)")
+        if self.suffix.first and self.method not in MODEL_DRAFTERS:
+            raise ValueError(f"`suffix.first` puts suffix decoding in front of a model drafter ({', '.join(MODEL_DRAFTERS)}); "
+                             f"method '{self.method}' has none (for suffix decoding alone use method: suffix)")
+        if self.suffix.first and self.lookup:
+            raise ValueError("set either `lookup` or `suffix.first` in front of the model drafter, not both "
+                             "(suffix decoding also drafts from the conversation, as prompt lookup does)")
         if self.copy_depth and self.method != "ngram" and not self.lookup:
             raise ValueError("`copy_depth` lengthens prompt-lookup drafts: it needs method 'ngram', or `lookup` "
                              "in front of a model drafter")

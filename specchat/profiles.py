@@ -92,7 +92,10 @@ class Profile(Strict):
         if self.backend == "llamaserver" and self.method != "none":
             kind = self.server_config.ngram_type if self.method == "ngram" else "draft-simple"
             return f"llama.cpp {kind} d={self.speculative.depth}"
-        return "target-only" if self.method == "none" else f"{self.method} d={self.speculative.depth}"
+        if self.method == "none":
+            return "target-only"
+        first = f" +suffix:{self.speculative.suffix.first}" if self.speculative.suffix.first else ""
+        return f"{self.method} d={self.speculative.depth}{first}"
 
     @property
     def server_config(self) -> LlamaServerConfig:

@@ -181,3 +181,32 @@ def test_the_default_is_the_fast_lossless_profile_and_smollm2_the_target_only_re
     default, reference = ps.get(DEFAULT_PROFILE), ps.get("smollm2")
     assert default.compile and default.method == "ngram" and default.speculative.strict is not False
     assert default.model == reference.model and reference.method == "none" and not reference.compile
+
+
+def test_suffix_profiles_validate_where_suffix_decoding_stands(user_dir):
+    shipped = load_profiles().get("smollm2-suffix")
+    assert shipped.method == "suffix" and shipped.speculative.suffix.history and shipped.speculative.suffix_drafts
+    write(user_dir, "mine", "extends: smollm2-mtp\nspeculative:\n  suffix:\n    first: 5\n    history: false\n")
+    mine = load_profiles().get("mine")
+    assert mine.speculative.suffix_drafts and mine.method_label == f"mtp d={mine.speculative.depth} +suffix:5"
+    write(user_dir, "alone", "extends: smollm2\nspeculative:\n  method: ngram\n  suffix:\n    first: 3\n")
+    with pytest.raises(ProfileError, match=r"suffix.first.*model drafter.*method: suffix"):
+        load_profiles().get("alone")
+    write(user_dir, "both", "extends: smollm2-mtp-lookup\nspeculative:\n  suffix:\n    first: 3\n")
+    with pytest.raises(ProfileError, match="either `lookup` or `suffix.first`"):
+        load_profiles().get("both")
+    write(user_dir, "typo", "extends: smollm2-suffix\nspeculative:\n  suffix:\n    min_prop: 0.2\n")
+    with pytest.raises(ProfileError, match="speculative.suffix.min_prop: unknown key"):
+        load_profiles().get("typo")
+
+
+def test_suffix_settings_reach_the_engine_as_written(user_dir):
+    from specchat.backends.speculative.suffix import SuffixSettings
+    from specchat.loading import speculative_settings
+
+    write(user_dir, "tuned", "extends: smollm2-suffix\nspeculative:\n  suffix:\n    min_prob: 0.3\n    factor: 2\n"
+          "    max_match: 16\n    history_replies: 7\n    history_tokens: 900\n")
+    s = speculative_settings(load_profiles().get("tuned"))
+    assert s.method == "suffix" and s.suffix_first == 0
+    assert s.suffix == SuffixSettings(min_prob=0.3, factor=2.0, max_match=16, memory=True, memory_replies=7,
+                                      memory_tokens=900)

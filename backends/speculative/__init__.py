@@ -3,8 +3,9 @@
     loop.py        the one speculative loop: a drafter proposes, the target verifies in one pass, both roll back
     acceptance.py  which drafts are kept: exact (seed-identical to target-only) or rejection sampling
     gate.py        draft from a source only while its passes pay
-    drafters.py    prompt lookup, a draft model, prompt lookup in front of a model drafter
+    drafters.py    prompt lookup, suffix decoding, a draft model, either free drafter in front of a model drafter
     ngram.py       the n-gram index behind prompt lookup
+    suffix.py      the suffix index behind suffix decoding (the conversation, and a memory of earlier replies)
     mtp.py         the MTP drafter and the bookkeeping every head drafter shares (HeadDrafter)
     eagle3.py      the EAGLE-3 drafter (the head itself: native/eagle3.py)
     dflash.py      the DFlash block drafter: its model, loader and drafter

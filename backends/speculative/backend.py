@@ -9,12 +9,13 @@ from typing import Iterator, Optional, Sequence
 from ..base import Backend, BackendError, Event, Request, Sampling
 from ..native.engine import TorchBackend
 from ..native.int4 import Int4Rows, int4_linear
-from .drafters import DraftModelDrafter, LookupFirst, NgramDrafter, check_same_tokenizer
+from .drafters import DraftModelDrafter, LookupFirst, NgramDrafter, SuffixDrafter, SuffixFirst, check_same_tokenizer
 from .gate import DraftGate
 from .loop import Drafter, speculative_stream
+from .suffix import SuffixIndex, SuffixSettings
 
 
-METHODS = ("ngram", "draft", "mtp", "dflash", "replayssm", "eagle3")
+METHODS = ("ngram", "suffix", "draft", "mtp", "dflash", "replayssm", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class SpeculativeSettings:
     strict: bool | None = None  # row-exact verify passes: required (True), off (False), where possible (None)
     adaptive: bool = True  # draft from a source only while it pays (gate.py)
     mtp_hidden: str | None = None  # which target state feeds an MTP head (None: the head's config, else post_norm)
+    suffix_first: int = 0  # suffix decoding in front of a model drafter: up to this many tokens (0: off)
+    suffix: SuffixSettings = SuffixSettings()  # for method suffix or suffix_first
 
 
 class SpeculativeBackend(Backend):
@@ -74,6 +77,12 @@ class SpeculativeBackend(Backend):
     def context_length(self) -> int:
         return self.target.context_length
 
+    @property
+    def memory(self) -> SuffixIndex | None:
+        """The suffix drafter's memory of earlier replies, which the caller fills and keeps
+        (`SuffixIndex.add` / `remove`, between replies); None without one."""
+        return getattr(self.drafter, "memory", None)
+
     def tokenize_chat(self, messages: Sequence[dict]) -> list[int]:
         return self.target.tokenize_chat(messages)
 
@@ -103,8 +112,11 @@ class SpeculativeBackend(Backend):
 
 
 def make_drafter(settings: SpeculativeSettings, target: TorchBackend) -> Drafter:
-    """The drafter `settings` describe, for `target` (prompt lookup in front of it with `lookup`)."""
+    """The drafter `settings` describe, for `target` (prompt lookup in front of it with `lookup`,
+    suffix decoding with `suffix_first`)."""
     model = make_model_drafter(settings, target)
+    if settings.suffix_first:
+        return SuffixFirst(model, make_suffix_drafter(settings.suffix), settings.suffix_first, settings.depth)
     if settings.lookup:
         return LookupFirst(model, settings.lookup, settings.ngram_min, settings.ngram_max, settings.depth,
                            settings.copy_depth)
@@ -114,6 +126,8 @@ def make_drafter(settings: SpeculativeSettings, target: TorchBackend) -> Drafter
 def make_model_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
     if s.method == "ngram":
         return NgramDrafter(s.ngram_min, s.ngram_max, s.copy_depth)
+    if s.method == "suffix":
+        return make_suffix_drafter(s.suffix)
     if s.method in ("draft", "replayssm"):
         return make_draft_model_drafter(s, target)
     if s.method == "mtp":
@@ -124,6 +138,13 @@ def make_model_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
         return make_eagle3_drafter(s, target)
     raise BackendError(f"speculative method '{s.method}' is not available in this version; "
                        f"use one of {', '.join(METHODS)}")
+
+
+def make_suffix_drafter(s: SuffixSettings) -> SuffixDrafter:
+    """Suffix decoding, with an empty memory of earlier replies unless `s.memory` is off."""
+    memory = (SuffixIndex(max_match=s.max_match, max_sequences=s.memory_replies, max_tokens=s.memory_tokens)
+              if s.memory else None)
+    return SuffixDrafter(s, memory)
 
 
 def make_draft_model_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:

@@ -9,6 +9,7 @@ from ..base import BackendError, Sampling
 from ..native.sampling import probs
 from .loop import Draft, Drafter, common_prefix
 from .ngram import NgramIndex
+from .suffix import SuffixIndex, SuffixSettings
 
 
 class NgramDrafter(Drafter):
@@ -65,6 +66,90 @@ class LookupFirst(Drafter):
             found = self.index.propose(tokens, min(depth, self.lookup_depth), depth)
             if found:
                 return Draft(found, source="lookup")
+        if self.model.name in self.paused:
+            return Draft([])
+        draft = self.model.propose(tokens, min(depth, self.model_depth))
+        draft.source = draft.source or self.model.name
+        return draft
+
+    def commit(self, tokens, hidden) -> None:
+        self.model.commit(tokens, hidden)
+
+    def close(self) -> None:
+        self.model.close()
+
+
+class SuffixDrafter(Drafter):
+    """Suffix decoding (suffix.py): drafts from the conversation so far (source `suffix`) and from
+    `memory`, an index of earlier replies that the caller fills and keeps (source `history`);
+    of the two drafts the one with the higher expected acceptance goes (a tie: the conversation's).
+    How far it drafts follows the counts, up to the loop's depth."""
+
+    name = "suffix"
+
+    def __init__(self, settings: SuffixSettings = SuffixSettings(), memory: SuffixIndex | None = None):
+        self.settings, self.memory = settings, memory
+        self.local = SuffixIndex(max_match=settings.max_match)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return ("suffix", "history") if self.memory is not None else ("suffix",)
+
+    def start(self, prompt_ids, hidden, sampling: Sampling, reused: int = 0) -> None:
+        self.local.reset()
+
+    def find(self, tokens: Sequence[int], depth: int) -> Draft:
+        """The better draft of the two pools, or none (what the profile's sources may use)."""
+        best, source = None, ""
+        if "suffix" not in self.paused:
+            self.local.sync(tokens)
+            best, source = self.local.find(tokens, depth, self.settings, loop=True), "suffix"
+        if self.memory is not None and "history" not in self.paused and self.memory.sequences:
+            other = self.memory.find(tokens, depth, self.settings)
+            if best is None or other.score > best.score:
+                best, source = other, "history"
+        return Draft(best.tokens, source=source) if best is not None and best.tokens else Draft([])
+
+    def propose(self, tokens: Sequence[int], depth: int) -> Draft:
+        return self.find(tokens, depth)
+
+
+class SuffixFirst(Drafter):
+    """Suffix decoding first, a model drafter otherwise (as LookupFirst, with suffix decoding's
+    drafts of up to `suffix_depth` tokens in place of prompt lookup's): the model guesses only
+    when neither the conversation nor the memory has a confident continuation."""
+
+    def __init__(self, model: Drafter, suffix: SuffixDrafter, suffix_depth: int, model_depth: int = 1):
+        self.model, self.suffix = model, suffix
+        self.suffix_depth, self.model_depth = suffix_depth, model_depth
+        self.name = f"{model.name}+suffix"
+        self.hidden_layers = model.hidden_layers
+        self.max_depth = model.max_depth
+
+    @property
+    def memory(self) -> SuffixIndex | None:
+        return self.suffix.memory
+
+    def plan_depth(self, depth: int) -> int:
+        self.model_depth = depth
+        return max(depth, self.suffix_depth)
+
+    def reusable(self, prompt_ids) -> int:
+        return self.model.reusable(prompt_ids)
+
+    def start(self, prompt_ids, hidden, sampling: Sampling, reused: int = 0) -> None:
+        self.suffix.start(prompt_ids, hidden, sampling, reused)
+        self.model.start(prompt_ids, hidden, sampling, reused)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (*self.suffix.sources, self.model.name)
+
+    def propose(self, tokens: Sequence[int], depth: int) -> Draft:
+        self.suffix.paused = self.paused
+        found = self.suffix.find(tokens, min(depth, self.suffix_depth))
+        if found.tokens:
+            return found
         if self.model.name in self.paused:
             return Draft([])
         draft = self.model.propose(tokens, min(depth, self.model_depth))

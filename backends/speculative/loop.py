@@ -165,13 +165,14 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
     tokens = list(prompt) + [first]
     drafter.start(prompt, hidden, sampling, start)
 
-    def emit(new: list[int], draft: list[int], accepted: int, row_exact: bool) -> tuple[Optional[Step], bool]:
+    def emit(new: list[int], draft: list[int], accepted: int, row_exact: bool,
+             source: str = "") -> tuple[Optional[Step], bool]:
         """The pass's tokens up to any end-of-sequence token; a pass that only ends the reply
         is not counted, as in target-only decoding."""
         cut = next((i for i, t in enumerate(new) if t in target.eos_ids), None)
         kept = new if cut is None else new[:cut]
         step = stats.add(Step(kept, detok.add(kept), len(draft), min(accepted, len(kept)), draft=list(draft),
-                              row_exact=row_exact)) if kept else None
+                              row_exact=row_exact, source=source)) if kept else None
         return step, cut is not None
 
     step, hit_eos = emit([first], [], 0, True)
@@ -216,10 +217,11 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
         target.truncate(n + verdict.accepted)
         tokens.extend(new)
         drafter.commit(tokens, {layer: h[:verdict.accepted + 1] for layer, h in hidden.items()})
+        source = (draft.source or drafter.name) if d else ""
         if gate is not None:
-            gate.record((draft.source or drafter.name) if d else None, len(new), time.perf_counter() - started)
+            gate.record(source or None, len(new), time.perf_counter() - started)
         # a block of one row is a single-token pass; more rows are one only with strict verification
-        step, hit_eos = emit(new, d, verdict.accepted, strict or not d)
+        step, hit_eos = emit(new, d, verdict.accepted, strict or not d, source)
         if step is not None:
             yield step
         if hit_eos:
