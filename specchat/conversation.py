@@ -27,6 +27,7 @@ class Conversation:
         self.profile = profile
         self.on_error = on_error
         self.messages: list[dict] = []
+        self.ids: list[Optional[int]] = []  # each message's id in history (None: not saved)
         self.system: Optional[str] = None
         self.id: Optional[int] = None
         self.version = 0  # bumped on every change, so views know when to redraw
@@ -34,14 +35,15 @@ class Conversation:
         # (context_window.py), and stay here and in history
         self.context_start = 0
 
-    def _save(self, fn: Callable[[], object]) -> None:
+    def _save(self, fn: Callable[[], object]) -> object:
         if self.history is None:
-            return
+            return None
         try:
-            fn()
+            return fn()
         except (sqlite3.Error, HistoryError) as e:
             self.history = None
             self.on_error(f"history is off for this session: {e}")
+            return None
 
     def _ensure_row(self) -> None:
         if self.id is None and self.history is not None:
@@ -49,17 +51,22 @@ class Conversation:
                 self.id = self.history.new_conversation(self.profile, self.system)
             self._save(create)
 
-    def add(self, role: str, content: str, profile: Optional[str] = None, stats: Optional[dict] = None) -> None:
+    def add(self, role: str, content: str, profile: Optional[str] = None, stats: Optional[dict] = None) -> Optional[int]:
+        """Append a message; its id in history (None: not saved)."""
         self.messages.append({"role": role, "content": content})
         self.version += 1
         self._ensure_row()
+        saved = None
         if self.id is not None:
-            self._save(lambda: self.history.add_message(self.id, role, content, profile or self.profile, stats))
+            saved = self._save(lambda: self.history.add_message(self.id, role, content, profile or self.profile, stats))
+        self.ids.append(saved)
+        return saved
 
     def _pop(self, role: str) -> Optional[str]:
         if not self.messages or self.messages[-1]["role"] != role:
             return None
         msg = self.messages.pop()
+        self.ids.pop()
         self.version += 1
         self.context_start = min(self.context_start, self._last_user_index())
         if self.id is not None:
@@ -95,6 +102,7 @@ class Conversation:
 
     def reset(self) -> None:
         self.messages = []
+        self.ids = []
         self.id = None
         self.context_start = 0
         self.version += 1
@@ -104,6 +112,7 @@ class Conversation:
             raise HistoryError("history is off for this session")
         conv = self.history.load(conversation_id)
         self.messages = conv.as_history()
+        self.ids = [m.id for m in conv.messages if m.role != "system"]
         self.system = conv.system
         self.id = conv.id
         self.context_start = 0

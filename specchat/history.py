@@ -77,6 +77,27 @@ def default_path() -> Path:
     return paths.data_dir() / "history.db"
 
 
+def read_recent_replies(path: Path | str, limit: int) -> list[tuple[int, int, str]]:
+    """(conversation id, message id, text) of the newest `limit` replies, newest first, read without
+    writing anything: only replies of conversations that still exist (a deleted conversation's
+    messages go with it; one a database without foreign keys left behind is never joined).
+    HistoryError (one line) when the database is missing or cannot be read."""
+    path = Path(path)
+    if not path.is_file():
+        raise HistoryError(f"no history database at {path} yet")
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            return db.execute(
+                "SELECT m.conversation_id, m.id, m.content FROM messages m JOIN conversations c "
+                "ON c.id = m.conversation_id WHERE m.role = 'assistant' ORDER BY m.id DESC LIMIT ?",
+                (limit,)).fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error as e:
+        raise HistoryError(f"history database {path} cannot be read ({e})") from None
+
+
 def _title_of(text: str) -> str:
     line = " ".join(text.split())
     return line[:60] + ("…" if len(line) > 60 else "")

@@ -18,7 +18,7 @@ from prompt_toolkit.completion import WordCompleter
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 
 from specchat.backends.base import Backend, BackendError, Request, Summary
-from specchat import loading, paths
+from specchat import loading, paths, suffix_memory
 from specchat.compare import near_tie_margin
 from specchat.context_window import fit_request
 from specchat.conversation import Conversation
@@ -122,6 +122,11 @@ class Repl:
         self.last = self.last_request = None  # the previous profile's figures are not this one's
         self.conv.set_profile(profile.name)
         self.say(f"[{profile.name}: {profile.method_label} · {profile.model}]")
+        history = self.conv.history
+        memory = suffix_memory.warm(backend, profile, history.path if history else None,
+                                    progress=lambda line: self.say(f"[{line}]"))
+        if memory:
+            self.say(f"[{memory}]")
         background = backend.background_status()
         if background:
             self.say(f"[{background}; moved to between replies]")
@@ -200,8 +205,10 @@ class Repl:
         if summary is not None and summary.stop_reason == "cancelled":
             self.say("[stopped: the reply so far is kept]")
         if text:
-            self.conv.add("assistant", text, profile=self.profile.name,
-                          stats={"tokens": summary.tokens, "decode_tok_s": summary.decode_tok_s} if summary else None)
+            saved = self.conv.add("assistant", text, profile=self.profile.name,
+                                  stats={"tokens": summary.tokens, "decode_tok_s": summary.decode_tok_s} if summary else None)
+            if summary is not None:
+                suffix_memory.remember(self.backend, self.conv.id, saved, summary.token_ids)
         if summary is not None:
             self.last = summary
             self.last_request = request

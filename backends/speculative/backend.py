@@ -86,6 +86,10 @@ class SpeculativeBackend(Backend):
     def tokenize_chat(self, messages: Sequence[dict]) -> list[int]:
         return self.target.tokenize_chat(messages)
 
+    def tokenize(self, text: str) -> list[int]:
+        """Plain text in the target's tokens (no chat template): how earlier replies enter the memory."""
+        return self.target.tokenizer.encode(text)
+
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.target.detokenize(token_ids)
 

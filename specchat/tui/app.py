@@ -242,7 +242,23 @@ class SpecChatApp(App):
             error = str(e)
         except Exception as e:
             error = f"cannot load profile '{name}': {one_line(e)}"
+        if backend is not None:
+            self._warm_memory(profile, backend)
         self.call_from_thread(self._loaded, name, profile, backend, error, then_ab)
+
+    def _warm_memory(self, profile: Profile, backend: Backend) -> None:
+        """Earlier replies into a suffix drafter's memory (suffix_memory.py), in the loading thread;
+        whatever goes wrong there leaves the memory empty and is said in one line."""
+        from specchat import suffix_memory
+
+        def say(line: str) -> None:
+            self.call_from_thread(self.notify, line, timeout=4)
+        try:
+            line = suffix_memory.warm(backend, profile, self.history.path if self.history else None, progress=say)
+        except Exception as e:
+            line = f"suffix memory starts empty: {one_line(e)}"
+        if line:
+            say(line)
 
     def _loaded(self, name: str, profile: Optional[Profile], backend: Optional[Backend],
                 error: Optional[str], then_ab: bool) -> None:

@@ -14,6 +14,7 @@ from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import Footer, LoadingIndicator
 
+from specchat import suffix_memory
 from specchat.backends.base import BackendError, Request, Summary
 from specchat.context_window import fit_request
 from specchat.live import Failed, Item, LiveStats, format_rate, pump, speculation_figures, stats_line
@@ -179,6 +180,7 @@ class ChatScreen(Screen):
         self.query_one("#conversation").scroll_end(animate=False)
         self.generating = True
         self._reply_profile = profile.name
+        self._reply_backend = backend  # whose suffix memory learns the reply
         self.run_worker(partial(pump, backend, request, sampling_of(profile), self.cancel, self.events,
                                 self.generation, app.between_replies),
                         thread=True, group="generate", exit_on_error=False, name="generate")
@@ -242,7 +244,8 @@ class ChatScreen(Screen):
         app.last_summary = end
         text = end.text or reply.text
         if text:  # saved before the final render: a crash now loses nothing
-            app.conv.add("assistant", text, profile=self._reply_profile, stats=stats_dict(end))
+            saved = app.conv.add("assistant", text, profile=self._reply_profile, stats=stats_dict(end))
+            suffix_memory.remember(self._reply_backend, app.conv.id, saved, end.token_ids)
             self._shown_version = app.conv.version
             await reply.finish(text, note=summary_note(end))
         else:
@@ -274,6 +277,7 @@ class ChatScreen(Screen):
         if not conv.messages:
             return
         if conv.messages[-1]["role"] == "assistant":
+            suffix_memory.forget(self.app.backend, conv.id, conv.ids[-1])  # replaced: not drafted from again
             conv.pop_assistant()
             replies = self.query(AssistantMessage)
             if replies:
