@@ -166,43 +166,129 @@ def safetensors_index(path: Path, fix: str = FIX) -> dict[str, Path]:
 # ---- GGUF ----
 
 GGUF_MAGIC = b"GGUF"
+# bytes of each GGUF metadata value type (gguf.GGUFValueType); 8 is a string, 9 an array
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
-def gguf_prefix_problem(path: Path) -> str | None:
-    """What is wrong with a GGUF file's first bytes (magic, version, counts against the size),
-    or None; the rest of the header is left to the gguf package's reader."""
+class _GgufHeader:
+    """A walk over a GGUF header that checks every length, count and offset against the file's
+    size before it moves past it; nothing is allocated by what the file claims."""
+
+    def __init__(self, path: Path, view, order: str, fix: str):
+        self.path, self.view, self.size, self.fix = path, view, len(view), fix
+        self.order, self.pos = order, 24
+
+    def broken(self, problem: str) -> BrokenWeightFile:
+        return BrokenWeightFile(self.path, problem, self.fix)
+
+    def take(self, n: int, what: str) -> int:
+        if n > self.size - self.pos:
+            raise self.broken(f"{what} at byte {self.pos} needs {n} bytes, the file ends at {self.size}; "
+                              "truncated or corrupted")
+        start, self.pos = self.pos, self.pos + n
+        return start
+
+    def uint(self, n: int, what: str) -> int:
+        start = self.take(n, what)
+        return int.from_bytes(self.view[start:start + n], self.order)
+
+    def string(self, what: str) -> str:
+        n = self.uint(8, what)
+        start = self.take(n, what)
+        try:
+            return str(self.view[start:start + n], "utf-8")
+        except UnicodeDecodeError:
+            raise self.broken(f"{what} at byte {start} is not UTF-8") from None
+
+    def value(self, vtype: int, what: str, depth: int = 0):
+        if vtype in _GGUF_SCALAR:
+            return self.uint(_GGUF_SCALAR[vtype], what)
+        if vtype == 8:
+            return self.string(what)
+        if vtype != 9 or depth > 1:
+            raise self.broken(f"{what} has value type {vtype}, which GGUF does not define")
+        itype, count = self.uint(4, what), self.uint(8, what)
+        if itype in _GGUF_SCALAR:
+            self.take(count * _GGUF_SCALAR[itype], what)
+        elif count * 8 > self.size - self.pos:  # every element takes 8 bytes or more
+            raise self.broken(f"{what} claims {count} elements, more than the file holds; truncated or corrupted")
+        else:
+            for _ in range(count):
+                self.value(itype, what, depth + 1)
+        return None
+
+    def tensors(self, n_tensors: int, n_fields: int) -> None:
+        import gguf
+
+        alignment = 32
+        for i in range(n_fields):
+            key = self.string(f"metadata key {i}")
+            value = self.value(self.uint(4, key), f"metadata {key}")
+            if key == "general.alignment":
+                alignment = value
+        if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+            raise self.broken(f"general.alignment {alignment} is not a power of two")
+        infos = []
+        for i in range(n_tensors):
+            name = self.string(f"tensor {i}'s name")
+            n_dims = self.uint(4, name)
+            if not 1 <= n_dims <= _GGUF_MAX_DIMS:
+                raise self.broken(f"tensor {name} has {n_dims} dimensions")
+            dims = [self.uint(8, name) for _ in range(n_dims)]
+            ttype, offset = self.uint(4, name), self.uint(8, name)
+            try:
+                block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+            except (ValueError, KeyError):
+                raise self.broken(f"tensor {name} has type {ttype}, which GGUF does not define") from None
+            if dims[0] % block:
+                raise self.broken(f"tensor {name}: a row of {dims[0]} is not whole blocks of {block}")
+            infos.append((name, offset, math.prod(dims) // block * block_bytes))
+        start = -(-self.pos // alignment) * alignment
+        for name, offset, n_bytes in infos:
+            if offset % alignment:
+                raise self.broken(f"tensor {name}'s offset {offset} is not a multiple of the alignment {alignment}")
+            if start + offset + n_bytes > self.size:
+                raise self.broken(f"tensor {name} lies at bytes {start + offset}..{start + offset + n_bytes}, the "
+                                  f"file has {self.size}; truncated")
+
+
+def check_gguf(path: Path | str, fix: str = FIX) -> None:
+    """A GGUF file's header walked and its tensors' extents checked against its size: magic,
+    version, every count, length and offset; raises BrokenWeightFile naming what does not fit."""
+    import mmap
+
+    path = Path(path)
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
             head = f.read(24)
+            if len(head) < 24:
+                raise BrokenWeightFile(path, f"{size} bytes, too short for a GGUF header", fix)
+            if head[:4] != GGUF_MAGIC:
+                raise BrokenWeightFile(path, f"it starts with {head[:4]!r}, not GGUF's magic {GGUF_MAGIC!r}", fix)
+            order = "little" if int.from_bytes(head[4:8], "little") < 1 << 16 else "big"  # as gguf's reader tells
+            version = int.from_bytes(head[4:8], order)
+            if version not in (2, 3):
+                raise BrokenWeightFile(path, f"GGUF version {version}; llama.cpp writes versions 2 and 3", fix)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+                header = _GgufHeader(path, memoryview(view), order, fix)
+                try:
+                    header.tensors(int.from_bytes(head[8:16], order), int.from_bytes(head[16:24], order))
+                finally:
+                    header.view.release()
     except OSError as e:
-        return f"unreadable: {e.strerror or e}"
-    if len(head) < 24:
-        return f"{size} bytes, too short for a GGUF header"
-    if head[:4] != GGUF_MAGIC:
-        return f"it starts with {head[:4]!r}, not GGUF's magic {GGUF_MAGIC!r}"
-    order = "little" if int.from_bytes(head[4:8], "little") < 1 << 16 else "big"  # as gguf's reader tells
-    version = int.from_bytes(head[4:8], order)
-    if version not in (2, 3):
-        return f"GGUF version {version}; llama.cpp writes versions 2 and 3"
-    n_tensors, n_fields = int.from_bytes(head[8:16], order), int.from_bytes(head[16:24], order)
-    # each tensor's entry takes at least 24 bytes, each metadata field at least 12
-    if 24 * n_tensors + 12 * n_fields > size:
-        return f"its header claims {n_tensors} tensors and {n_fields} metadata fields, more than {size} bytes hold"
-    return None
-
+        raise BrokenWeightFile(path, f"unreadable: {e.strerror or e}", fix) from None
 
 
 def gguf_reader(path: Path | str, fix: str = FIX):
-    """`gguf.GGUFReader` on a file whose first bytes were checked; whatever the reader trips on
-    (a truncated header, counts or offsets past the end) becomes BrokenWeightFile."""
+    """`gguf.GGUFReader` on a file `check_gguf` passed; whatever the reader still trips on
+    becomes BrokenWeightFile too."""
     import gguf
 
     path = Path(path)
-    problem = gguf_prefix_problem(path)
-    if problem is not None:
-        raise BrokenWeightFile(path, problem, fix)
+    check_gguf(path, fix)
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001 - the reader raises whatever numpy does on bad offsets
-        raise BrokenWeightFile(path, f"truncated or not a GGUF file: {type(e).__name__}: {e}", fix) from None
+        raise BrokenWeightFile(path, f"gguf's reader refuses it: {type(e).__name__}: {e}", fix) from None
