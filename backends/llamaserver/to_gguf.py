@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..base import BackendError
+from ..weight_files import gguf_reader, load_safetensors
 
 TENSOR_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -47,7 +48,6 @@ def add_llama_hparams(w, cfg: dict) -> None:
 
 def draft_model_to_gguf(hf_dir: Path, target_gguf: Path, dest: Path) -> Path:
     import gguf
-    from safetensors.torch import load_file
 
     hf_dir, dest = Path(hf_dir), Path(dest)
     try:
@@ -59,12 +59,12 @@ def draft_model_to_gguf(hf_dir: Path, target_gguf: Path, dest: Path) -> Path:
     weights = sorted(hf_dir.glob("*.safetensors"))
     if len(weights) != 1:
         raise BackendError(f"{hf_dir}: expected one model.safetensors, found {len(weights)}")
-    target = gguf.GGUFReader(str(target_gguf))
+    target = gguf_reader(target_gguf)
     target_vocab = len(target.fields["tokenizer.ggml.tokens"].data)
     if cfg["vocab_size"] != target_vocab:
         raise BackendError(f"{hf_dir}: vocabulary of {cfg['vocab_size']} tokens, the target's has {target_vocab}: "
                            "not a drafter for this target")
-    sd = {k: v.float().numpy() for k, v in load_file(str(weights[0])).items()}  # bfloat16 needs torch's loader
+    sd = {k: v.float().numpy() for k, v in load_safetensors(weights[0]).items()}  # bfloat16 needs torch's loader
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     part = dest.with_name(dest.name + ".part")
