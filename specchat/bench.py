@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional
 
+from specchat import suffix_memory
 from specchat.backends.base import Backend, Request, Summary, run_to_summary
 from specchat.loading import load_backend, messages_for, sampling_of
 from specchat.models import NAMED_MODELS
@@ -23,6 +24,7 @@ from specchat.prompts import PromptItem
 class Run:
     prompt: PromptItem
     summary: Summary
+    memory: Optional[tuple[int, int]] = None  # (replies, tokens) its suffix memory held as it started
 
 
 @dataclass
@@ -72,6 +74,14 @@ class ProfileResult:
     def tokens(self) -> int:
         return sum(s.tokens for s in self.subset(None))
 
+    def memory(self) -> Optional[dict]:
+        """How warm its suffix memory was over the run: replies and tokens held at the first and
+        the last prompt (None: no memory)."""
+        held = [r.memory for r in self.runs if r.memory is not None]
+        if not held:
+            return None
+        return {"replies": [held[0][0], held[-1][0]], "tokens": [held[0][1], held[-1][1]]}
+
 
 def _target_run(p: Profile) -> dict:
     """Everything that decides how a profile's target decodes (all but its name and speculation)."""
@@ -94,6 +104,9 @@ def plan(profiles: list[Profile]) -> list[tuple[str, Profile, Optional[str]]]:
     rows: list[tuple[str, Profile, Optional[str]]] = []
     for p in profiles:
         rows.append((p.name, p, None))
+        if p.backend == "torch" and p.speculative.suffix_drafts and p.speculative.suffix.history:
+            # its speed-up is read against the same drafter without the memory of earlier replies
+            rows.append((f"{p.name}{EMPTY_HISTORY}", p.with_overrides({"speculative.suffix.history": False}), None))
     for i, (label, p, _) in enumerate(list(rows)):
         if p.method == "none":
             continue
@@ -104,6 +117,9 @@ def plan(profiles: list[Profile]) -> list[tuple[str, Profile, Optional[str]]]:
             ref = ref_profile.name
         rows[i] = (label, p, ref)
     return rows
+
+
+EMPTY_HISTORY = ":empty-history"  # the row of a suffix profile whose memory of earlier replies stays empty
 
 
 def warm_up(backend: Backend, profile: Profile) -> None:
@@ -149,11 +165,18 @@ def bench(profiles: list[Profile], prompts: list[PromptItem],
         return backend
 
     def measure(res: ProfileResult, backend: Backend, item: PromptItem, tries: list[Run]) -> None:
+        memory = suffix_memory.memory_of(backend)
         run = run_one(backend, res.profile, item)
+        if memory is not None:
+            run.memory = (memory.sequences, memory.live_tokens)
         tries.append(run)
         on_run(res.label, run)
         if len(tries) == repeat:
-            res.runs.append(median_run(tries))
+            kept = median_run(tries)
+            res.runs.append(kept)
+            # the earlier prompts' replies warm the memory (never the user's history: the run is
+            # reproducible), each once all its tries ran, so that no try drafts from its own reply
+            suffix_memory.remember(backend, None, None, kept.summary.token_ids)
 
     loaded: list[Backend] = []
     try:
@@ -211,6 +234,7 @@ def to_json(results: list[ProfileResult]) -> dict:
             "decode_tok_s": r.decode_tok_s(), "ttft_s": r.ttft_s(), "mean_accepted": r.mean_accepted(),
             "tokens_per_pass": r.tokens_per_pass(), "acceptance_by_position": r.acceptance_by_position(),
             "reference": r.reference, "speedup": speedup(results, r), "load_s": r.load_s,
+            "suffix_memory": r.memory(),
             "by_task": {t: {"decode_tok_s": r.decode_tok_s(t), "mean_accepted": r.mean_accepted(t),
                             "tokens_per_pass": r.tokens_per_pass(t), "speedup": speedup(results, r, t),
                             "acceptance_by_position": r.acceptance_by_position(t)}
@@ -265,6 +289,8 @@ def render(results: list[ProfileResult]):
         method = r.profile.method if r.profile.method == "none" else f"{r.profile.method}:{spec.depth}"
         if spec.lookup:
             method += f" +lookup:{spec.lookup}"
+        if spec.suffix.first:
+            method += f" +suffix:{spec.suffix.first}"
         if r.profile.backend == "llamaserver":
             method = r.profile.method_label.removeprefix("llama.cpp ")
         speculated = r.profile.method != "none"
@@ -278,8 +304,9 @@ def render(results: list[ProfileResult]):
                      ttft(r.ttft_s()), f"{r.mean_accepted():.2f}" if speculated else "-",
                      f"{per_pass:.2f}" if per_pass else "-", f"{sp:.2f}x" if sp else "-")
     tasks = tasks_of(results)
+    warmth = memory_lines(results)
     if len(tasks) < 2:
-        return main
+        return Group(main, "", *warmth) if warmth else main
     by_task = compact_table("speed-up by subtask", "plain numbers: decode tok/s (rows without a reference)")
     by_task.add_column("profile", no_wrap=True)
     for t in tasks:
@@ -291,7 +318,21 @@ def render(results: list[ProfileResult]):
             cells.append(f"{tsp:.2f}x" if tsp else tok_s(r.decode_tok_s(t)))
         by_task.add_row(r.label, *cells)
     first = first_position_table(results, tasks)
-    return Group(main, "", by_task, *(("", first) if first.row_count else ()))
+    return Group(main, *(("", *warmth) if warmth else ()), "", by_task, *(("", first) if first.row_count else ()))
+
+
+def memory_lines(results: list[ProfileResult]) -> list[str]:
+    """How warm each suffix row's memory of earlier replies was: a speed-up is never read without it."""
+    lines = []
+    for r in results:
+        held = r.memory()
+        if held is not None:
+            (r0, r1), (t0, t1) = held["replies"], held["tokens"]
+            lines.append(f"{r.label}: the suffix memory held the run's earlier replies, {r0} to {r1} "
+                         f"({t0:,} to {t1:,} tokens) from the first prompt to the last")
+        elif r.label.endswith(EMPTY_HISTORY):
+            lines.append(f"{r.label}: the same drafter with no memory of earlier replies (the conversation only)")
+    return lines
 
 
 def first_position_table(results: list[ProfileResult], tasks: list[str]):

@@ -106,6 +106,7 @@ class LiveStats:
     drafts_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     speculative_passes: int = 0
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted drafts by who guessed them
     summary: Optional[Summary] = None
 
     def add(self, step: Step, at: float) -> None:
@@ -118,6 +119,8 @@ class LiveStats:
         if step.drafted:
             self.speculative_passes += 1
             tally_positions(self.drafts_per_position, self.accepted_per_position, step)
+            if step.source:
+                self.accepted_by_source[step.source] = self.accepted_by_source.get(step.source, 0) + step.accepted
 
     def finish(self, summary: Summary) -> None:
         self.summary = summary

@@ -155,3 +155,42 @@ def test_a_count_below_one_is_refused_before_anything_loads(argv, monkeypatch, c
     flag = argv[1].partition("=")[0]
     assert err.startswith(f"specchat: error: {flag} ") and "whole number of 1 or more" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_suffix_profile_with_memory_gets_an_empty_history_row_beside_it():
+    ps = load_profiles()
+    rows = bench.plan([ps.get("smollm2-ngram"), ps.get("smollm2-suffix")])
+    labels = [(label, p.speculative.suffix.history if p.method == "suffix" else None, ref) for label, p, ref in rows]
+    assert labels == [("smollm2-ngram", None, "smollm2-ngram:target-only"),
+                      ("smollm2-suffix", True, "smollm2-suffix:target-only"),
+                      ("smollm2-suffix:empty-history", False, "smollm2-suffix:target-only"),
+                      ("smollm2-ngram:target-only", None, None), ("smollm2-suffix:target-only", None, None)]
+    no_memory = ps.get("smollm2-suffix").with_overrides({"speculative.suffix.history": False})
+    assert [label for label, _, _ in bench.plan([no_memory])] == ["smollm2-suffix", "smollm2-suffix:target-only"]
+
+
+def test_bench_warms_the_suffix_memory_with_the_runs_earlier_replies_only(isolated_dirs, capsys):
+    from specchat.history import History
+
+    folder = isolated_dirs / "user-profiles"
+    make_hf_checkpoint(folder / "tiny", "llama")
+    (folder / "tiny-suffix.yaml").write_text("backend: torch\nmodel: ./tiny\ndtype: float32\ncontext: 256\nthreads: 2\n"
+                                             "speculative: {method: suffix, depth: 4}\n")
+    history = History()  # the user's own replies: a bench never reads them
+    history.add_message(history.new_conversation(), "assistant", "a reply from the user's own history")
+    ps = load_profiles()
+    prompts = [PromptItem(str(i), [text]) for i, text in enumerate(["the quick brown fox", "hello world", "the quick"])]
+    results = bench.bench([ps.get("tiny-suffix")], prompts, repeat=2)
+    warm, empty, ref = results
+    assert (warm.label, empty.label) == ("tiny-suffix", "tiny-suffix:empty-history")
+    assert [r.memory for r in warm.runs] == [(0, 0), (1, warm.runs[0].summary.tokens),
+                                             (2, warm.runs[0].summary.tokens + warm.runs[1].summary.tokens)]
+    assert [r.summary.token_ids for r in warm.runs] == [r.summary.token_ids for r in ref.runs]  # parity, warm or not
+    assert all(r.memory is None for r in empty.runs)
+    out = {r["label"]: r for r in bench.to_json(results)["rows"]}
+    assert out["tiny-suffix"]["suffix_memory"]["replies"] == [0, 2] and out["tiny-suffix:empty-history"]["suffix_memory"] is None
+    console = Console(record=True, width=100)
+    console.print(bench.render(results))
+    text = " ".join(console.export_text().split())
+    assert "tiny-suffix: the suffix memory held the run's earlier replies, 0 to 2" in text
+    assert "tiny-suffix:empty-history: the same drafter with no memory of earlier replies" in text

@@ -25,6 +25,7 @@ class ABPane(Vertical):
         self.diverge_at: Optional[int] = None
         self.state = "idle"
         self.remote = False  # its profile runs on a server: speculative figures arrive with the summary
+        self.memory_line = ""  # how warm its suffix memory was when this reply started ("" without one)
 
     def compose(self) -> ComposeResult:
         yield Label(self.title_text, classes="ab-title", markup=False)
@@ -64,6 +65,8 @@ class ABPane(Vertical):
                  f" │ {format_rate(live.tok_s)} tok/s │ {passes} passes"]
         if self.side == "spec" or self.remote:
             parts.append(speculation_figures(live, self.remote, 5))
+        if self.memory_line:
+            parts.append(f" │ {self.memory_line}")
         self.query_one(".ab-stats", Static).update(Content.assemble(*parts))
         if self.side == "spec" and not self.remote:
             self.query_one(".ab-spark", Sparkline).data = live.per_pass[-60:]

@@ -24,6 +24,7 @@ from textual.widgets import Footer, Label, Static
 from specchat.backends.base import Backend, BackendError, Summary
 from specchat.compare import IDENTICAL, Verdict, mark_and_colour, near_tie_margin
 from specchat.context_window import fit_ab_requests
+from specchat import suffix_memory
 from specchat.live import Failed, Item, LiveStats, memory_note, one_line, pump, speedup_line
 from specchat.loading import load_reference, sampling_of
 from specchat.profiles import Profile, ProfileError, load_profiles
@@ -164,6 +165,8 @@ class ABScreen(Screen):
         self.verdict = None
         self.can_choose = False
         self.panes = {p.side: p for p in self.query(ABPane)}
+        memory = suffix_memory.memory_of(self.spec_backend)
+        self.panes["spec"].memory_line = f"suffix memory held {suffix_memory.describe(memory)}" if memory else ""
         self.panes["spec"].reset("running")
         self.panes["ref"].reset("running" if self.race else "waiting")
         self.query_one("#ab-verdict", Static).update("")
@@ -228,7 +231,7 @@ class ABScreen(Screen):
             else:
                 pane.live.add(ev, item.at)
                 if ev.text:
-                    pane.tokens.add(ev.text, item.draft_chars)
+                    pane.tokens.add(ev.text, item.draft_chars, ev.source)
         self._touched |= touched
         if not ended and not self.budget.due():
             return
@@ -254,7 +257,9 @@ class ABScreen(Screen):
         conv = self.app.conv
         conv.add("user", self.prompt)
         conv.context_start = self.context_start
-        conv.add("assistant", ref.tokens.text, profile=self.ref_profile.name)
+        saved = conv.add("assistant", ref.tokens.text, profile=self.ref_profile.name)
+        if spec.summary.text == ref.summary.text:  # the reply the speculative side wrote joins its memory
+            suffix_memory.remember(self.spec_backend, conv.id, saved, spec.summary.token_ids)
         self.using = "reference"
         self.query_one("#ab-verdict", Static).update("judging…")
         # judging may run reference forward passes (margins): never on the UI thread

@@ -20,7 +20,7 @@ from specchat.context_window import fit_request
 from specchat.live import Failed, Item, LiveStats, format_rate, pump, speculation_figures, stats_line
 from specchat.loading import sampling_of
 from specchat.tui.budget import RenderBudget
-from specchat.tui.widgets import DRAFT_STYLE, AssistantMessage, ChatInput, StatusBar, UserMessage
+from specchat.tui.widgets import AssistantMessage, ChatInput, StatusBar, UserMessage, draft_sources, origin_legend
 
 if TYPE_CHECKING:
     from specchat.tui.app import SpecChatApp
@@ -133,8 +133,11 @@ class ChatScreen(Screen):
             if live.speculative or p.method != "none" or p.remote:
                 parts.append(speculation_figures(live, p.remote))
                 per_pass = None if p.remote else live.per_pass
+        memory = suffix_memory.memory_of(app.backend)
+        if memory is not None:
+            parts.append(f" │ suffix memory {suffix_memory.describe(memory)}")
         if app.show_origin:
-            parts += [" │ ", ("■ accepted draft", DRAFT_STYLE), " ■ target"]
+            parts += [" │ ", *origin_legend(draft_sources(p), live.accepted_by_source if live else None)]
         self.query_one(StatusBar).show(Content.assemble(*parts), per_pass)
 
     # -------------------------------------------------------------------- generation
@@ -205,7 +208,7 @@ class ChatScreen(Screen):
                 break
             self.live.add(ev, item.at)
             if ev.text and reply is not None:
-                reply.record(ev.text, item.draft_chars)
+                reply.record(ev.text, item.draft_chars, ev.source)
         if end is None and not self.budget.due():
             return
         if reply is not None:

@@ -15,7 +15,43 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Markdown, OptionList, Sparkline, Static, TextArea
 from textual.widgets.option_list import Option
 
-DRAFT_STYLE = "bold #5fd7ff"  # accepted draft tokens
+DRAFT_STYLE = "bold #5fd7ff"  # accepted draft tokens (a model drafter's, or a source that does not say)
+# accepted drafts by who guessed them (Step.source), so a user sees where the free tokens came from
+SOURCE_STYLES = {"lookup": "bold #87d75f", "ngram": "bold #87d75f",  # prompt lookup
+                 "suffix": "bold #ffaf00",  # suffix decoding from this conversation
+                 "history": "bold #d787ff"}  # suffix decoding from earlier replies (the memory)
+SOURCE_LABELS = {"ngram": "lookup", "history": "suffix: earlier replies"}
+
+
+def draft_style(source: str) -> str:
+    return SOURCE_STYLES.get(source, DRAFT_STYLE)
+
+
+def draft_sources(profile) -> tuple[str, ...]:
+    """Who may draft in a profile's torch replies, by the names their steps carry; () when the
+    backend does not say (a server, or target-only)."""
+    spec = profile.speculative
+    if profile.backend != "torch" or profile.method == "none":
+        return ()
+    suffix = ("suffix", "history") if spec.suffix.history else ("suffix",)
+    if profile.method == "ngram":
+        return ("ngram",)
+    if profile.method == "suffix":
+        return suffix
+    front = ("lookup",) if spec.lookup else suffix if spec.suffix.first else ()
+    return (*front, profile.method)
+
+
+def origin_legend(sources, accepted: dict[str, int] | None = None) -> list:
+    """The status-bar key to the token colours: each source (with the drafts of it the target
+    accepted in this reply), then the target's own tokens."""
+    if not sources:
+        return [("■ accepted draft", DRAFT_STYLE), " ■ target"]
+    parts: list = []
+    for source in sources:
+        count = f" {accepted.get(source, 0)}" if accepted is not None else ""
+        parts += [(f"■ {SOURCE_LABELS.get(source, source)}{count}", draft_style(source)), " "]
+    return parts + ["■ target"]
 DIVERGE_STYLE = "on #870000"  # from the first divergent token on
 
 
@@ -62,20 +98,20 @@ class TokenText:
 
     def __init__(self, text: str = ""):
         self.text = text
-        self.spans: list[tuple[int, int]] = []
+        self.spans: list[tuple[int, int, str]] = []  # (start, end, source)
 
-    def add(self, text: str, draft_chars: int = 0) -> None:
+    def add(self, text: str, draft_chars: int = 0, source: str = "") -> None:
         start = len(self.text)
         self.text += text
         if draft_chars:
             end = start + min(draft_chars, len(text))
-            if self.spans and self.spans[-1][1] == start:
-                self.spans[-1] = (self.spans[-1][0], end)
+            if self.spans and self.spans[-1][1] == start and self.spans[-1][2] == source:
+                self.spans[-1] = (self.spans[-1][0], end, source)
             else:
-                self.spans.append((start, end))
+                self.spans.append((start, end, source))
 
     def content(self, origin: bool = True, diverge_at: Optional[int] = None) -> Content:
-        spans = [Span(a, b, DRAFT_STYLE) for a, b in self.spans] if origin else []
+        spans = [Span(a, b, draft_style(source)) for a, b, source in self.spans] if origin else []
         if diverge_at is not None and diverge_at < len(self.text):
             spans.append(Span(diverge_at, len(self.text), DIVERGE_STYLE))
         return Content(self.text, spans)
@@ -124,9 +160,9 @@ class AssistantMessage(Vertical):
             self._pending.clear()
         self._apply_mode()
 
-    def record(self, text: str, draft_chars: int = 0) -> None:
-        """Note one step's text (kept with its draft span); shown at the next `flush`."""
-        self.tokens.add(text, draft_chars)
+    def record(self, text: str, draft_chars: int = 0, source: str = "") -> None:
+        """Note one step's text (kept with its draft span and who drafted it); shown at the next `flush`."""
+        self.tokens.add(text, draft_chars, source)
         self._pending.append(text)
 
     async def flush(self) -> None:
