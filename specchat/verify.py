@@ -193,7 +193,9 @@ def check_conversation(spec: Backend, reference: Backend, profile, item: PromptI
     """The prompt's first `turns` user turns as one conversation, each checked as `check_prompt`
     does and continued with the reference's reply; the oldest turns are left out when the next one
     would not fit, as in the chat (context_window.py). Yields each turn's check and the note saying
-    what was left out (None: nothing)."""
+    what was left out (None: nothing). A suffix drafter's memory learns each speculative reply, as
+    in the chat, so that later prompts are checked with drafts from earlier replies too."""
+    from specchat import suffix_memory
     from specchat.context_window import fit_window
     from specchat.loading import messages_for
 
@@ -207,6 +209,7 @@ def check_conversation(spec: Backend, reference: Backend, profile, item: PromptI
                             sampling.max_tokens, profile.context_policy)
         start = window.start
         ref, out, verdict = check_prompt(spec, reference, Request(messages=system + history[start:]), sampling)
+        suffix_memory.remember(spec, None, None, out.token_ids)
         yield PromptCheck(item, ref, out, verdict, turn), window.note(context)
         history.append({"role": "assistant", "content": ref.text})
 

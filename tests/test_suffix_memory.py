@@ -145,3 +145,19 @@ def test_finished_replies_join_the_memory_and_a_replaced_one_leaves_it(target, t
     suffix_memory.remember(backend, conv.id, second, target.tokenizer.encode("hi again"))
     suffix_memory.forget(backend, conv.id)  # a whole conversation deleted
     assert remembered(backend) == []
+
+
+def test_verify_checks_later_prompts_with_drafts_from_earlier_replies(target):
+    from specchat.backends.base import Sampling
+    from specchat.prompts import PromptItem
+    from specchat.verify import check_conversation
+
+    p = profile()
+    backend = backend_for(target, p)
+    same = PromptItem("1", ["the quick brown fox jumps"])
+    checks = [c for item in (same, PromptItem("2", ["hello world"]), same)
+              for c, _ in check_conversation(backend, target, p, item, Sampling(max_tokens=24))]
+    assert [c.verdict.kind for c in checks] == ["identical"] * 3
+    assert backend.memory.sequences == 3
+    # the prompt asked again drafts its whole earlier reply from the memory: fewer passes than the first time
+    assert checks[2].speculative.passes < checks[0].speculative.passes
