@@ -1,0 +1,1 @@
+"""The subcommands of `specchat`, one module each (cli.py builds the parser from them)."""

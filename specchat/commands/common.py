@@ -1,0 +1,70 @@
+"""What every subcommand shares: exit codes, the usage error, flags and the prompt set."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specchat.live import stats_line
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    pass
+
+
+def err(msg: str) -> None:
+    print(f"specchat: error: {msg}", file=sys.stderr)
+
+
+def overridden(profile, args):
+    """The profile with this command's flags applied (sampling flags and --set KEY=VALUE)."""
+    import yaml
+
+    settings = {f"sampling.{k}": getattr(args, k, None) for k in ("temperature", "top_p", "top_k", "seed", "max_tokens")}
+    for item in getattr(args, "set", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--set {item!r}: expected KEY=VALUE, e.g. --set speculative.depth=3")
+        settings[key.strip()] = yaml.safe_load(value)
+    return profile.with_overrides(settings)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, help="override the profile's sampling.max_tokens")
+    p.add_argument("--temperature", type=float, help="override sampling.temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, help="override sampling.top_p")
+    p.add_argument("--top-k", type=int, help="override sampling.top_k")
+    p.add_argument("--seed", type=int, help="override sampling.seed")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override any profile field for this run, e.g. dtype=bfloat16 or speculative.depth=3")
+
+
+def count(flag: str):
+    """An argparse `type=` for a count of 1 or more; anything else is a UsageError (one line, exit 2)."""
+    def parse(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < 1:
+            raise UsageError(f"{flag} {text}: expected a whole number of 1 or more (e.g. {flag} 3)")
+        return int(text)
+    return parse
+
+
+def add_prompt_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", help="prompt file (Spec-Bench question.jsonl, jsonl or text)")
+    p.add_argument("--limit", type=count("--limit"), help="at most N prompts, spread over the subtasks")
+    p.add_argument("--category", action="append", help="only these categories / subtasks")
+
+
+def prompt_set(args):
+    """The prompts `--prompts/--limit/--category` name, or two short chat prompts."""
+    from specchat.prompts import PromptItem, load_prompts
+
+    if args.prompts:
+        return load_prompts(args.prompts, args.limit, args.category)
+    return [PromptItem("1", ["Explain speculative decoding in three sentences."]),
+            PromptItem("2", ["Write a haiku about a fast computer."])]
+
+
+def run_line(label: str, r) -> str:
+    """One prompt's figures in a bench or ladder run: which, and its stats line."""
+    return f"  {label} · {r.prompt.id} [{r.prompt.task}] {stats_line(r.summary)}"

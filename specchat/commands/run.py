@@ -1,0 +1,74 @@
+"""`specchat run`: one prompt, streamed to stdout."""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from typing import Optional
+
+from specchat import help_text
+from specchat.backends.base import BackendError, Request, Summary
+from specchat.commands.common import EXIT_OK, EXIT_RUNTIME, UsageError, add_sampling_flags, err, overridden
+from specchat.live import background_note, stats_line
+from specchat.profiles import get_profile
+
+
+def cmd_run(args) -> int:
+    from specchat.loading import load_backend, messages_for, sampling_of
+    from specchat.stdin_text import StdinText
+
+    prompt = args.prompt if args.prompt is not None else StdinText().read()
+    if not prompt.strip():
+        raise UsageError("empty prompt: pass it as an argument or on stdin")
+    profile = overridden(get_profile(args.profile), args)
+    backend = load_backend(profile, background=True, start_background=False)  # started after the reply
+    request = Request(messages=messages_for(profile, [{"role": "user", "content": prompt}], args.system))
+    cancel = threading.Event()
+    summary: Optional[Summary] = None
+    try:
+        events = backend.stream(request, sampling_of(profile), cancel)  # a refused prompt: exit 2
+        try:
+            for ev in events:
+                if isinstance(ev, Summary):
+                    summary = ev
+                elif not args.json:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+        except BackendError as e:  # the reply broke off (a server that died, timed out): a runtime failure
+            if not args.json:
+                sys.stdout.write("\n")
+            err(str(e))
+            return EXIT_RUNTIME
+        note = background_note(backend)
+    except KeyboardInterrupt:
+        cancel.set()
+        return 130
+    finally:
+        backend.close()
+    assert summary is not None
+    if args.json:
+        out = {"profile": profile.name, "backend": profile.backend, "method": profile.method,
+               "depth": profile.speculative.depth if profile.method != "none" else 0, **summary.as_dict()}
+        out["decode_tok_s"] = summary.decode_tok_s
+        print(json.dumps(out))
+    else:
+        sys.stdout.write("\n")
+        if args.stats:
+            print(stats_line(summary, stop=True), file=sys.stderr)
+    if note:
+        print(f"specchat: {note}", file=sys.stderr)
+    if summary.error:
+        err(summary.error)
+        return EXIT_RUNTIME
+    return EXIT_OK
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", **help_text.subcommand("run"))
+    p.add_argument("-p", "--profile")
+    p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
+    p.add_argument("--system", help="system prompt for this run")
+    p.add_argument("--json", action="store_true", help="print one JSON summary instead of the text")
+    p.add_argument("--stats", action="store_true", help="print a stats line on stderr")
+    add_sampling_flags(p)
+    p.set_defaults(func=cmd_run)

@@ -1,0 +1,77 @@
+"""`specchat verify`: speculative output against target-only output, token for token."""
+from __future__ import annotations
+
+import json
+
+from specchat import help_text
+from specchat.commands.common import (EXIT_OK, EXIT_RUNTIME, UsageError, add_prompt_flags, add_sampling_flags,
+                                      overridden, prompt_set)
+from specchat.profiles import get_profile
+
+
+def cmd_verify(args) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from specchat.compare import mark_and_colour
+    from specchat.live import peak_rss_bytes, speculation_note
+    from specchat.loading import load_backend, load_reference, sampling_of
+    from specchat.verify import check_conversation, summarize
+
+    spec_profile = overridden(get_profile(args.profile), args)
+    if spec_profile.remote and not args.reference:
+        spec_profile.target_only()  # raises: a server's speculation can't be switched off from here
+    if spec_profile.method == "none" and not spec_profile.remote and not args.reference:
+        raise UsageError(f"profile '{spec_profile.name}' has no speculative method; verify compares a "
+                         "speculative profile with its target-only reference (or with -r REFERENCE)")
+    prompts = prompt_set(args)
+    console = Console(stderr=True, highlight=False)
+    spec = load_backend(spec_profile)
+    reference = load_reference(spec_profile, spec, get_profile(args.reference) if args.reference
+                               else spec_profile.target_only())  # on spec's own weights where it can
+    sampling = sampling_of(spec_profile)
+    checks = []
+    turns = 1 if args.turns == "first" else 1_000
+    try:
+        for item in prompts:
+            for check, left_out in check_conversation(spec, reference, spec_profile, item, sampling, turns):
+                checks.append(check)
+                if left_out:
+                    console.print(escape(f"  {check.label}: {left_out}"))
+                symbol, colour = mark_and_colour(check.verdict)
+                mark = f"[{colour}]{symbol}[/{colour}]" if colour else symbol
+                note = speculation_note(check.speculative)
+                console.print(f"{mark} {check.label} " + escape(
+                    f"[{item.task}] {check.verdict.line()}" + (f" · {note}" if note else "")))
+    finally:
+        # servers specchat started hold their weights in processes of their own: count them too
+        servers_rss = [b.server_peak_rss_bytes() for b in (spec, reference) if hasattr(b, "server_peak_rss_bytes")]
+        spec.close()
+        reference.close()
+    totals = summarize(checks)
+    strict = getattr(spec, "strict", None)  # None: a server or llama.cpp verifies its own way
+    if args.json:
+        print(json.dumps({"profile": spec_profile.name, "reference": args.reference or f"{spec_profile.name} (target-only)",
+                          "strict": strict, "reference_shares_weights": getattr(reference, "shares_weights", False),
+                          "peak_rss_bytes": peak_rss_bytes(),
+                          "server_peak_rss_bytes": sum(r or 0 for r in servers_rss) if servers_rss else None, **totals, "prompts_checked": [c.as_dict() for c in checks]}))
+    else:
+        how = {True: " (strict verification)", None: "",
+               False: " (verification not strict: floating-point near-ties may flip a token, and each near-tie is "
+                      "a token the speculative run's own verify row chose)"}[strict]
+        checked = f"{totals['prompts']} prompts" if turns == 1 else f"{totals['prompts']} turns of {len(prompts)} prompts"
+        print(f"{checked}: {totals['identical']} identical, {totals['near_ties']} near-ties, "
+              f"{totals['mismatches']} mismatches{how}")
+    return EXIT_RUNTIME if totals["mismatches"] else EXIT_OK
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("verify", **help_text.subcommand("verify"))
+    p.add_argument("-p", "--profile", required=True, help="the speculative profile")
+    p.add_argument("-r", "--reference", help="reference profile (default: the same profile, speculation off)")
+    add_prompt_flags(p)
+    p.add_argument("--turns", choices=["first", "all"], default="first",
+                   help="multi-turn prompts: check the first turn, or every turn as one conversation")
+    p.add_argument("--json", action="store_true")
+    add_sampling_flags(p)
+    p.set_defaults(func=cmd_verify)
