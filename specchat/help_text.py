@@ -33,7 +33,7 @@ EPILOGS = {
 examples:
   specchat                          the chat on the default (smollm2-fast)
   specchat chat -p smollm2-ngram    the chat with prompt-lookup drafting
-  specchat chat -p smollm2-suffix   suffix decoding, remembering your earlier replies
+  specchat chat -p smollm2-suffix   suffix decoding, from earlier replies too
 keys: Enter send · Esc stop · F2 profile · F3 A/B view · Ctrl+T token colours""",
     "ab": """\
 examples:
