@@ -50,7 +50,7 @@ class ABScreen(Screen):
         Binding("ctrl+l", "use_other", "Use other reply"),
     ]
 
-    def __init__(self, reference: Optional[str] = None):
+    def __init__(self, reference: Optional[str] = None, prompt: Optional[str] = None):
         super().__init__(id="ab")
         self.reference_name = reference
         self.events: "queue.Queue[Item]" = queue.Queue()
@@ -66,7 +66,7 @@ class ABScreen(Screen):
         self.using = "reference"
         self.can_choose = False
         self.budget = RenderBudget()
-        self.pending_prompt: Optional[str] = None
+        self.pending_prompt = prompt  # sent before the reference loaded: runs once it has
         self.context_start = 0  # where the conversation's cut lies once the running turn is added
 
     def compose(self) -> ComposeResult:
@@ -87,7 +87,22 @@ class ABScreen(Screen):
     def on_mount(self) -> None:
         self._timer = self.set_interval(FRAME_S, self._drain, pause=True)
         self.query_one("#ab-prompt").focus()
+        self._show_pending()
         self.run_worker(self._load_reference, thread=True, group="ab-load", exit_on_error=False)
+
+    def _show_pending(self) -> None:
+        shown = " ".join((self.pending_prompt or "").split())
+        shown = shown if len(shown) <= 60 else shown[:59] + "…"
+        line = "" if self.pending_prompt is None else (
+            f"waiting for the reference to load: “{shown}” runs as soon as it is ready · Esc withdraws it")
+        self.query_one("#ab-verdict", Static).update(line)
+
+    def _withdraw_pending(self, why: str) -> None:
+        """The waiting prompt back into the input, ahead of anything typed since."""
+        text, self.pending_prompt = self.pending_prompt, None
+        self._show_pending()
+        self.query_one("#ab-prompt", ChatInput).put_back(text)
+        self.app.notify(why, timeout=6)
 
     def on_unmount(self) -> None:
         if self.cancel is not None:
@@ -115,6 +130,8 @@ class ABScreen(Screen):
         if error:
             self.app.notify(f"reference failed to load: {error}", severity="error", timeout=12)
             self.query_one("#pane-ref .ab-title", Label).update(f"reference: failed to load: {error}")
+            if self.pending_prompt is not None and self.is_mounted:
+                self._withdraw_pending("your prompt is back in the input")
             return
         if not self.is_mounted:
             backend.close()
@@ -142,9 +159,12 @@ class ABScreen(Screen):
             self.app.notify("still running: Esc stops both", severity="warning")
             return
         if not self.ready:
+            if self.pending_prompt is not None:
+                self.app.notify("a prompt already waits for the reference: Esc withdraws it", severity="warning")
+                return
             event.input.clear()
             self.pending_prompt = event.value.strip("\n")
-            self.app.notify("the reference is still loading: the prompt runs as soon as it is ready")
+            self._show_pending()
             return
         if self.start(event.value.strip("\n")):
             event.input.clear()
@@ -339,6 +359,8 @@ class ABScreen(Screen):
         if self.running:
             self.cancel.set()
             self.app.notify("stopping both sides", timeout=2)
+        elif self.pending_prompt is not None:
+            self._withdraw_pending("withdrawn: the prompt is back in the input")
         else:
             self.app.pop_screen()
 

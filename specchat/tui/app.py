@@ -88,6 +88,7 @@ class SpecChatApp(App):
         self.profile: Optional[Profile] = None
         self.backend: Optional[Backend] = None
         self.loading: Optional[str] = None
+        self.loading_profile: Optional[str] = None  # the profile whose load a sent prompt waits for
         # held while the backend moves to what it prepared in the background; replies start once it is free
         self.between_replies = threading.Lock()
         self.background_line: Optional[str] = None  # the backend's background_status, as last shown
@@ -226,7 +227,10 @@ class SpecChatApp(App):
         if chat.generating:
             self.notify("a reply is still streaming: Esc stops it, then switch", severity="warning")
             return
-        self.loading = name
+        if not then_ab and any(s.id == "ab" for s in self.screen_stack):  # it holds the current backend
+            self.notify("close the A/B view (Esc) first, then switch", severity="warning")
+            return
+        self.loading = self.loading_profile = name
         self.notify(f"loading {name}…", timeout=3)
         self._refresh_status()
         self.run_worker(partial(self._load_thread, name, then_ab), thread=True, group="load",
@@ -262,11 +266,12 @@ class SpecChatApp(App):
 
     def _loaded(self, name: str, profile: Optional[Profile], backend: Optional[Backend],
                 error: Optional[str], then_ab: bool) -> None:
-        self.loading = None
+        self.loading = self.loading_profile = None
         if error is not None:
             keep = f" (still on {self.profile.name})" if self.profile else ""
             self.notify(error + keep, title=f"profile {name} failed", severity="error", timeout=12)
             self._refresh_status()
+            self.call_later(self.chat.give_back_waiting, "your prompt is back in the input")
             return
         old = self.backend
         self.profile, self.backend = profile, backend
@@ -279,17 +284,27 @@ class SpecChatApp(App):
                 pass
         self.notify(f"{profile.name}: {profile_line(profile)}", title="profile loaded", timeout=4)
         self._refresh_status()
+        self.call_later(self._after_load, then_ab)
+
+    async def _after_load(self, then_ab: bool) -> None:
+        """A prompt sent during the load goes now: in the chat, or as the A/B view's first run."""
         if then_ab:
-            self.open_ab()
+            self.open_ab(await self.chat.take_waiting())
+        else:
+            await self.chat.send_waiting()
 
     # ------------------------------------------------------------------------ A/B
-    def open_ab(self) -> None:
+    def open_ab(self, prompt: Optional[str] = None) -> None:
         from specchat.tui.ab_screen import ABScreen
 
-        if self.profile is None:
-            self.notify("no model loaded yet", severity="warning")
+        if self.loading_profile:  # the view would hold the backend the load is about to replace
+            self.notify(f"still loading {self.loading_profile}: open the A/B view once it is ready",
+                        severity="warning")
             return
-        self.push_screen(ABScreen(self.ab_reference))
+        if self.profile is None:
+            self.notify("no model loaded: F2 picks a profile", severity="warning")
+            return
+        self.push_screen(ABScreen(self.ab_reference, prompt))
 
     # -------------------------------------------------------------------- history
     def action_show_history(self) -> None:

@@ -70,6 +70,9 @@ class ChatScreen(Screen):
         self.generating = False
         self._shown_version = -1
         self.budget = RenderBudget()
+        # a prompt sent while a profile loads: kept (shown as waiting) and sent once the engine is ready
+        self.waiting: Optional[str] = None
+        self._waiting_message: Optional[UserMessage] = None
 
     def compose(self) -> ComposeResult:
         yield VerticalScroll(id="conversation")
@@ -97,6 +100,9 @@ class ChatScreen(Screen):
                 widgets.append(UserMessage(m["content"]))
             else:
                 widgets.append(AssistantMessage(m["content"], show_origin=self.app.show_origin))
+        if self.waiting is not None:  # a prompt still waits for the load: it stays in view
+            self._waiting_message = UserMessage(self.waiting, self._waiting_line())
+            widgets.append(self._waiting_message)
         if widgets:
             await box.mount_all(widgets)
         box.scroll_end(animate=False)
@@ -117,7 +123,8 @@ class ChatScreen(Screen):
         if app.loading:
             parts.append(f"loading {app.loading}… ")
         if app.profile is None:
-            parts.append("no model loaded: F2 picks a profile")
+            parts.append("a prompt sent now waits for it" if app.loading_profile else
+                          "no model loaded: F2 picks a profile")
             self.query_one(StatusBar).show(Content.assemble(*parts))
             return
         p = app.profile
@@ -146,18 +153,63 @@ class ChatScreen(Screen):
         if self.generating:
             self.app.notify("a reply is still streaming: Esc stops it", severity="warning")
             return
-        if self.app.backend is None:
-            self.app.notify("no model loaded yet: wait for it, or pick a profile with F2", severity="warning")
-            return
         text = event.value.strip("\n")
+        if self.app.loading_profile:
+            await self._keep_waiting(event.input, text)
+            return
+        if self.app.backend is None:
+            self.app.notify("no model loaded: F2 picks a profile", severity="warning")
+            return
+        if not await self.send(text):
+            return
+        event.input.clear()
+
+    async def send(self, text: str) -> bool:
+        """Add the user's turn and start its reply; False (the turn taken back) when it cannot fit."""
         self.app.conv.add("user", text)
         request = self._fit()
         if request is None:  # refused: the turn does not stay, its text stays in the input
             self.app.conv.pop_user()
-            return
-        event.input.clear()
+            return False
         await self.query_one("#conversation").mount(UserMessage(text))
         await self.start_reply(request)
+        return True
+
+    # ------------------------------------------------------- a prompt waiting for a load
+    def _waiting_line(self) -> str:
+        return f"waiting for {self.app.loading_profile} to load… (Esc withdraws it)"
+
+    async def _keep_waiting(self, prompt: ChatInput, text: str) -> None:
+        if self.waiting is not None:
+            self.app.notify("a prompt already waits for the load: Esc withdraws it", severity="warning")
+            return
+        self.waiting = text
+        prompt.clear()
+        self._waiting_message = UserMessage(text, self._waiting_line())
+        box = self.query_one("#conversation", VerticalScroll)
+        await box.mount(self._waiting_message)
+        box.scroll_end(animate=False)
+
+    async def take_waiting(self) -> Optional[str]:
+        """The waiting prompt, out of the view (it is sent elsewhere or given back)."""
+        text, self.waiting = self.waiting, None
+        message, self._waiting_message = self._waiting_message, None
+        if message is not None and message.is_attached:
+            await message.remove()
+        return text
+
+    async def give_back_waiting(self, why: str) -> None:
+        """The waiting prompt back into the input, ahead of anything typed since: nothing is lost."""
+        text = await self.take_waiting()
+        if text is not None:
+            self.query_one("#prompt", ChatInput).put_back(text)
+            self.app.notify(why, timeout=6)
+
+    async def send_waiting(self) -> None:
+        """The engine is ready: the waiting prompt goes now (back to the input if it cannot fit)."""
+        text = await self.take_waiting()
+        if text is not None and not await self.send(text):  # _fit said why
+            self.query_one("#prompt", ChatInput).put_back(text)
 
     def _fit(self) -> Optional[Request]:
         """The request for the next reply, the oldest turns left out if it would not fit (said in a
@@ -263,18 +315,18 @@ class ChatScreen(Screen):
         if users:
             await users.last().remove()
         self._shown_version = self.app.conv.version
-        prompt = self.query_one("#prompt", ChatInput)
-        if not prompt.text.strip():
-            prompt.text = text
+        self.query_one("#prompt", ChatInput).put_back(text)
 
     # ----------------------------------------------------------------------- actions
-    def action_stop(self) -> None:
+    async def action_stop(self) -> None:
         if self.generating and self.cancel is not None:
             self.cancel.set()
             self.app.notify("stopping: the reply so far is kept", timeout=2)
+        elif self.waiting is not None:
+            await self.give_back_waiting("withdrawn: the prompt is back in the input")
 
     async def action_regenerate(self) -> None:
-        if self.generating or self.app.backend is None:
+        if self.generating or self.app.backend is None or self.app.loading_profile:
             return
         conv = self.app.conv
         if not conv.messages:
@@ -291,7 +343,7 @@ class ChatScreen(Screen):
 
     async def action_new_chat(self) -> None:
         if self.generating:
-            self.action_stop()
+            await self.action_stop()
             return
         self.app.conv.reset()
         self.live = None

@@ -71,6 +71,10 @@ class ChatInput(TextArea):
     def __init__(self, **kwargs):
         super().__init__(soft_wrap=True, show_line_numbers=False, compact=True, **kwargs)
 
+    def put_back(self, text: str) -> None:
+        """A prompt that was not sent, back in the input ahead of anything typed since: nothing is lost."""
+        self.text = text + ("\n" + self.text if self.text.strip() else "")
+
     async def _on_key(self, event: events.Key) -> None:
         if event.key == "enter":
             event.stop()
@@ -88,9 +92,16 @@ class ChatInput(TextArea):
 
 
 class UserMessage(Static):
-    def __init__(self, text: str):
+    """A user turn; `waiting` names what it waits for (a prompt sent while a profile loads)."""
+
+    def __init__(self, text: str, waiting: str = ""):
         super().__init__(text, markup=False, classes="message user")
         self.text = text
+        self.set_waiting(waiting)
+
+    def set_waiting(self, waiting: str) -> None:
+        self.set_class(bool(waiting), "waiting")
+        self.update(Content.assemble(self.text, ("\n" + waiting, "dim italic")) if waiting else self.text)
 
 
 class TokenText:
