@@ -22,6 +22,9 @@ from specchat.backends.base import STOP_CANCELLED
 IDENTICAL = "identical"
 NEAR_TIE = "near-tie"
 MISMATCH = "mismatch"
+# the target-only reference itself gave different replies when run again (verify --repeat): the
+# speculative run cannot be judged against it, and no drafter is blamed
+NOT_REPRODUCIBLE = "target not reproducible"
 
 # Largest score gap (logits, or tempered logits plus the position's Gumbel noise when sampling)
 # still attributed to arithmetic rather than to a bug where no verify row can be recomputed, by
@@ -49,7 +52,7 @@ def first_divergence(ref: Sequence, other: Sequence) -> Optional[int]:
 
 @dataclass
 class Verdict:
-    kind: str  # identical | near-tie | mismatch
+    kind: str  # identical | near-tie | mismatch | target not reproducible
     index: Optional[int] = None  # token (or character, for text alignment) index of the divergence
     ref_text: str = ""  # the reference's token at the divergence
     other_text: str = ""
@@ -77,6 +80,8 @@ class Verdict:
                 return f"identical for the {self.compared} {self.by} both produced (a reply was stopped)"
             return f"identical ({self.compared} {self.by})"
         where = f"{'token' if self.by == 'tokens' else 'character'} {self.index}"
+        if self.kind == NOT_REPRODUCIBLE:
+            return f"{self.kind}: its runs part at {where}: {self.ref_text!r} vs {self.other_text!r} · {self.why}"
         margin = f", margin {self.margin:.2e}" if self.margin is not None else ""
         ref, other = repr(self.ref_text), repr(self.other_text)
         if self.ref_score is not None and self.other_score is not None:
@@ -94,10 +99,37 @@ class Verdict:
 def mark_and_colour(v: Verdict) -> tuple[str, str]:
     """How every front end shows a verdict: green only when every compared token was equal and both
     replies ended the same way; identical up to a stop plain; a near-tie (possible only without
-    strict verification) yellow; a mismatch red."""
+    strict verification) yellow; a target that does not reproduce itself magenta (no drafter is
+    judged against it); a mismatch red."""
     if v.kind == IDENTICAL:
         return "✔", "green" if v.clean else ""
+    if v.kind == NOT_REPRODUCIBLE:
+        return "↯", "magenta"
     return ("≈", "yellow") if v.kind == NEAR_TIE else ("✘", "red")
+
+
+def judge_runs(runs: Sequence[tuple[Sequence, str]], decode: Callable[[Sequence], str],
+               by: str = "tokens") -> Optional[Verdict]:
+    """Whether repeated runs of one request (each its reply's ids, or text, and its stop reason)
+    gave one reply: None if so, else a NOT_REPRODUCIBLE verdict at the earliest place where a run
+    parts from the first, saying how many of them do. A reply that stops earlier or for another
+    reason parts where the shorter one ends."""
+    first, first_stop = runs[0]
+    parted: list[tuple[int, int]] = []  # (where, which run)
+    for k, (ids, stop) in enumerate(runs[1:], 2):
+        i = first_divergence(first, ids)
+        if i is None and (len(ids) != len(first) or stop != first_stop):
+            i = min(len(ids), len(first))
+        if i is not None:
+            parted.append((i, k))
+    if not parted:
+        return None
+    i, k = min(parted)
+    ids = runs[k - 1][0]
+    show = (lambda seq: decode([seq[i]]) if i < len(seq) else "<end>") if by == "tokens" else \
+        (lambda seq: seq[i:i + 12] if i < len(seq) else "<end>")
+    return Verdict(NOT_REPRODUCIBLE, i, show(first), show(ids), compared=min(len(r[0]) for r in runs), by=by,
+                   why=f"{len(parted)} of {len(runs)} target-only runs differ from the first (run {k} parts first)")
 
 
 def judge_tokens(ref_ids: Sequence[int], other_ids: Sequence[int],

@@ -1,6 +1,9 @@
 """`specchat verify`: run each prompt target-only and speculatively with the same seed and say,
 per prompt, identical or where they first differ, and whether that was a floating-point near-tie
-(possible only where verification was not strict) or a real mismatch (see compare.py)."""
+(possible only where verification was not strict) or a real mismatch (see compare.py). With
+`repeat` > 1 the target-only reference runs that many times, each from a fresh cache: a prompt
+whose runs disagree is "target not reproducible", so that no drafter is blamed for the target's
+own noise, and the summary gives the target's run-to-run agreement."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +11,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from specchat.backends.base import Backend, Request, Sampling, Summary, run_to_summary
 from specchat.backends.speculative.replay import reference_scores
-from specchat.compare import MISMATCH, NEAR_TIE, Verdict, judge_text, judge_tokens, near_tie_margin
+from specchat.compare import (MISMATCH, NEAR_TIE, NOT_REPRODUCIBLE, Verdict, judge_runs, judge_text, judge_tokens,
+                              near_tie_margin)
 from specchat.prompts import PromptItem
 
 
@@ -148,6 +152,7 @@ class PromptCheck:
     speculative: Summary
     verdict: Verdict
     turn: int = 1  # which user turn of the prompt's conversation
+    reference_runs: int = 1  # how many times the reference ran (verify --repeat)
 
     @property
     def label(self) -> str:
@@ -156,7 +161,9 @@ class PromptCheck:
     def as_dict(self) -> dict:
         return {"id": self.prompt.id, "turn": self.turn, "category": self.prompt.category, **self.verdict.as_dict(),
                 "reference_tokens": self.reference.tokens, "speculative_tokens": self.speculative.tokens,
-                "mean_accepted": self.speculative.mean_accepted if self.speculative.spec_reported else None}
+                "mean_accepted": self.speculative.mean_accepted if self.speculative.spec_reported else None,
+                "reference_runs": self.reference_runs,
+                "reference_reproducible": self.verdict.kind != NOT_REPRODUCIBLE}
 
 
 def judge_replies(reference: Backend, request: Request, ref: Summary, other: Summary, sampling: Sampling,
@@ -182,14 +189,32 @@ def judge_replies(reference: Backend, request: Request, ref: Summary, other: Sum
                         strict_until=arithmetic.exact_until, not_strict=arithmetic.beyond, row_choice=row_choice)
 
 
-def check_prompt(spec: Backend, reference: Backend, request: Request, sampling: Sampling) -> tuple[Summary, Summary, Verdict]:
-    ref = run_to_summary(fresh(reference).stream(request, sampling))
+def check_prompt(spec: Backend, reference: Backend, request: Request, sampling: Sampling,
+                 repeat: int = 1) -> tuple[Summary, Summary, Verdict]:
+    """The reference's reply (its first run of `repeat`, each from a fresh cache), the speculative
+    reply and the verdict: the two replies judged, or NOT_REPRODUCIBLE where the reference's runs
+    disagree (then the speculative reply is only said to equal one of them, or none)."""
+    refs = [run_to_summary(fresh(reference).stream(request, sampling)) for _ in range(repeat)]
     out = run_to_summary(fresh(spec).stream(request, sampling))
-    return ref, out, judge_replies(reference, request, ref, out, sampling, other_backend=spec)
+    unsteady = reference_disagrees(reference, refs, out) if repeat > 1 else None
+    return refs[0], out, unsteady or judge_replies(reference, request, refs[0], out, sampling, other_backend=spec)
+
+
+def reference_disagrees(reference: Backend, refs: list[Summary], out: Summary) -> Optional[Verdict]:
+    """NOT_REPRODUCIBLE where the reference's runs `refs` gave more than one reply, else None."""
+    by_ids = all(r.token_ids for r in refs) and bool(out.token_ids)
+    reply = (lambda r: list(r.token_ids)) if by_ids else (lambda r: r.text)
+    verdict = judge_runs([(reply(r), r.stop_reason) for r in refs], reference.detokenize,
+                         "tokens" if by_ids else "text")
+    if verdict is not None:
+        same = [k for k, r in enumerate(refs, 1) if reply(r) == reply(out) and r.stop_reason == out.stop_reason]
+        verdict.why += (f"; the speculative reply equals run {', '.join(map(str, same))}" if same
+                        else "; the speculative reply equals none of them")
+    return verdict
 
 
 def check_conversation(spec: Backend, reference: Backend, profile, item: PromptItem, sampling: Sampling,
-                       turns: int = 1) -> Iterator[tuple[PromptCheck, Optional[str]]]:
+                       turns: int = 1, repeat: int = 1) -> Iterator[tuple[PromptCheck, Optional[str]]]:
     """The prompt's first `turns` user turns as one conversation, each checked as `check_prompt`
     does and continued with the reference's reply; the oldest turns are left out when the next one
     would not fit, as in the chat (context_window.py). Yields each turn's check and the note saying
@@ -208,15 +233,20 @@ def check_conversation(spec: Backend, reference: Backend, profile, item: PromptI
         window = fit_window(lambda msgs: len(spec.tokenize_chat(msgs)), system, history, start, context,
                             sampling.max_tokens, profile.context_policy)
         start = window.start
-        ref, out, verdict = check_prompt(spec, reference, Request(messages=system + history[start:]), sampling)
+        ref, out, verdict = check_prompt(spec, reference, Request(messages=system + history[start:]), sampling,
+                                         repeat)
         suffix_memory.remember(spec, None, None, out.token_ids)
-        yield PromptCheck(item, ref, out, verdict, turn), window.note(context)
+        yield PromptCheck(item, ref, out, verdict, turn, repeat), window.note(context)
         history.append({"role": "assistant", "content": ref.text})
 
 
 def summarize(checks: list[PromptCheck]) -> dict:
     n = len(checks)
     kinds = [c.verdict.kind for c in checks]
-    return {"prompts": n, "identical": n - kinds.count(NEAR_TIE) - kinds.count(MISMATCH),
+    unsteady = kinds.count(NOT_REPRODUCIBLE)
+    return {"prompts": n, "identical": n - kinds.count(NEAR_TIE) - kinds.count(MISMATCH) - unsteady,
             "near_ties": kinds.count(NEAR_TIE), "mismatches": kinds.count(MISMATCH),
-            "near_tie_rate": kinds.count(NEAR_TIE) / n if n else 0.0}
+            "near_tie_rate": kinds.count(NEAR_TIE) / n if n else 0.0,
+            "reference_runs": max((c.reference_runs for c in checks), default=1),
+            "target_not_reproducible": unsteady,
+            "target_reproducible_rate": (n - unsteady) / n if n else 1.0}

@@ -35,6 +35,13 @@ def test_run_reads_the_prompt_from_stdin(tiny_profile, capsys, monkeypatch):
     assert json.loads(capsys.readouterr().out)["tokens"] > 0
 
 
+def test_verify_repeats_the_reference_at_least_twice(capsys):
+    for bad in ("1", "0", "two"):
+        assert cli.main(["verify", "-p", "smollm2-ngram", "--repeat", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--repeat" in err and "2 or more" in err
+
+
 def test_empty_prompt_and_bad_override_are_usage_errors(tiny_profile, capsys):
     assert cli.main(["run", "-p", tiny_profile, "  "]) == 2
     assert cli.main(["run", "-p", tiny_profile, "hi", "--temperature", "-2"]) == 2

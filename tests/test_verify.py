@@ -1,12 +1,14 @@
 """Which reply tokens two runs computed with the same arithmetic (verify.shared_arithmetic): the
-tokens a divergence among which is a bug whatever the margin."""
+tokens a divergence among which is a bug whatever the margin; and a target that does not reproduce
+its own reply (verify --repeat), which no drafter is blamed for."""
 import pytest
 
 from specchat.backends.base import STOP_MAX_TOKENS, Request, Sampling, Summary, run_to_summary
 from specchat.backends.speculative.backend import SpeculativeBackend
 from specchat.backends.speculative.drafters import NgramDrafter
 from specchat.backends.native.engine import TorchBackend
-from specchat.verify import fresh, judge_replies, row_choice_function, shared_arithmetic
+from specchat.verify import (PromptCheck, check_prompt, fresh, judge_replies, row_choice_function, shared_arithmetic,
+                             summarize)
 from tests.native.tiny import make_hf_checkpoint
 from tests.scripted import ScriptedBackend, piece_id
 
@@ -148,3 +150,45 @@ def test_a_servers_reported_alternatives_tell_a_near_tie_from_a_mismatch():
     assert v.kind == "mismatch" and v.margin == pytest.approx(2.9)
     sampled = Sampling(max_tokens=4, temperature=0.7)  # logprobs are no score gap when sampling
     assert judge_replies(server, request, ref, close, sampled).kind == "mismatch"
+
+
+def test_a_reference_that_gives_another_reply_when_run_again_is_not_reproducible():
+    """A server whose second and third replies part from its first at token 2: the prompt's verdict
+    is the target's, never a mismatch, and says where its runs part, how many differ and which
+    run the speculative reply equals."""
+    reference = ScriptedBackend(["a b c d", "a b x d"])  # the last reply repeats
+    spec = ScriptedBackend(["a b x d"])
+    request, greedy = Request(messages=[{"role": "user", "content": "q"}]), Sampling(max_tokens=4)
+    ref, out, v = check_prompt(spec, reference, request, greedy, repeat=3)
+    assert v.kind == "target not reproducible" and v.index == 2
+    assert (v.ref_text, v.other_text) == (" c", " x")
+    assert "2 of 3 target-only runs differ" in v.why and "equals run 2, 3" in v.why
+    assert not ref.text.endswith("x d") and len(reference.requests) == 3
+    assert v.ok and "target not reproducible" in v.line()
+    once = ScriptedBackend(["a b c d", "a b x d"])
+    assert check_prompt(ScriptedBackend(["a b x d"]), once, request, greedy)[2].kind == "mismatch"  # unrepeated
+    shorter = ScriptedBackend(["a b c d", "a b c"])
+    v = check_prompt(ScriptedBackend(["a b c d"]), shorter, request, greedy, repeat=2)[2]
+    assert v.kind == "target not reproducible" and v.index == 3 and v.other_text == "<end>"
+    assert "equals run 1" in v.why
+
+
+def test_a_reproducible_target_is_never_called_unreproducible(target):
+    request = Request(prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6])
+    spec = SpeculativeBackend(target, NgramDrafter(1, 3), 3)
+    for sampling in (Sampling(max_tokens=12), Sampling(temperature=0.8, seed=4, max_tokens=12)):
+        ref, out, v = check_prompt(spec, target, request, sampling, repeat=3)
+        assert v.kind == "identical" and out.drafts > 0
+
+
+def test_the_summary_counts_the_targets_run_to_run_agreement():
+    from specchat.compare import Verdict
+    from specchat.prompts import PromptItem
+
+    def check(kind: str) -> PromptCheck:
+        return PromptCheck(PromptItem("1", ["q"]), Summary(STOP_MAX_TOKENS), Summary(STOP_MAX_TOKENS), Verdict(kind),
+                           reference_runs=3)
+
+    totals = summarize([check("identical"), check("target not reproducible"), check("mismatch"), check("identical")])
+    assert (totals["identical"], totals["mismatches"], totals["target_not_reproducible"]) == (2, 1, 1)
+    assert totals["reference_runs"] == 3 and totals["target_reproducible_rate"] == 0.75

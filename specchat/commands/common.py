@@ -40,11 +40,11 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="override any profile field for this run, e.g. dtype=bfloat16 or speculative.depth=3")
 
 
-def count(flag: str):
-    """An argparse `type=` for a count of 1 or more; anything else is a UsageError (one line, exit 2)."""
+def count(flag: str, least: int = 1):
+    """An argparse `type=` for a count of `least` or more; anything else is a UsageError (one line, exit 2)."""
     def parse(text: str) -> int:
-        if not text.strip().isdigit() or int(text) < 1:
-            raise UsageError(f"{flag} {text}: expected a whole number of 1 or more (e.g. {flag} 3)")
+        if not text.strip().isdigit() or int(text) < least:
+            raise UsageError(f"{flag} {text}: expected a whole number of {least} or more (e.g. {flag} 3)")
         return int(text)
     return parse
 

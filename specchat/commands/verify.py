@@ -5,7 +5,7 @@ import json
 
 from specchat import help_text
 from specchat.commands.common import (EXIT_OK, EXIT_RUNTIME, UsageError, add_prompt_flags, add_sampling_flags,
-                                      overridden, prompt_set)
+                                      count, overridden, prompt_set)
 from specchat.profiles import get_profile
 
 
@@ -34,7 +34,8 @@ def cmd_verify(args) -> int:
     turns = 1 if args.turns == "first" else 1_000
     try:
         for item in prompts:
-            for check, left_out in check_conversation(spec, reference, spec_profile, item, sampling, turns):
+            for check, left_out in check_conversation(spec, reference, spec_profile, item, sampling, turns,
+                                                          args.repeat):
                 checks.append(check)
                 if left_out:
                     console.print(escape(f"  {check.label}: {left_out}"))
@@ -60,8 +61,14 @@ def cmd_verify(args) -> int:
                False: " (verification not strict: floating-point near-ties may flip a token, and each near-tie is "
                       "a token the speculative run's own verify row chose)"}[strict]
         checked = f"{totals['prompts']} prompts" if turns == 1 else f"{totals['prompts']} turns of {len(prompts)} prompts"
+        unsteady = f", {totals['target_not_reproducible']} target not reproducible" if args.repeat > 1 else ""
         print(f"{checked}: {totals['identical']} identical, {totals['near_ties']} near-ties, "
-              f"{totals['mismatches']} mismatches{how}")
+              f"{totals['mismatches']} mismatches{unsteady}{how}")
+        if args.repeat > 1:
+            steady = totals["prompts"] - totals["target_not_reproducible"]
+            print(f"target run-to-run: {steady} of {totals['prompts']} reproduced their reply in all {args.repeat} "
+                  "target-only runs" + ("" if steady == totals["prompts"] else
+                                        " (the others are not judged: the target itself does not reproduce them)"))
     return EXIT_RUNTIME if totals["mismatches"] else EXIT_OK
 
 
@@ -72,6 +79,9 @@ def add_parser(sub) -> None:
     add_prompt_flags(p)
     p.add_argument("--turns", choices=["first", "all"], default="first",
                    help="multi-turn prompts: check the first turn, or every turn as one conversation")
+    p.add_argument("--repeat", type=count("--repeat", least=2), default=1, metavar="N",
+                   help="run the target-only reference N times (N >= 2), each from a fresh cache: a prompt whose "
+                        "runs disagree is 'target not reproducible', not a drafter's mismatch")
     p.add_argument("--json", action="store_true")
     add_sampling_flags(p)
     p.set_defaults(func=cmd_verify)
