@@ -74,9 +74,9 @@ examples:
   specchat verify -p smollm2-ngram
   specchat verify -p smollm2-mtp --prompts question.jsonl --limit 20
   specchat verify -p smollm2-draft -r smollm2 --json
-  specchat verify -p smollm2-ngram --repeat 3   (does the target reproduce itself?)
-(exit 0: identical, floating-point near-ties, or a target that does not reproduce
-itself, reported as such; exit 1: a mismatch)""",
+  specchat verify -p smollm2-ngram --repeat 3  (does the target repeat itself?)
+(exit 0: identical, floating-point near-ties, or a target that does not
+reproduce itself, reported as such; exit 1: a mismatch)""",
     "train": """\
 examples (prompts, the target's replies to them, a drafter; docs/training.md):
   specchat train prompts --out runs/prompts.jsonl --count 200
