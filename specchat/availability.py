@@ -121,6 +121,9 @@ def local_state(profile: Profile) -> tuple[str, str]:
                 (pulls if spec in NAMED_MODELS else hub).append(what)
     except (BackendError, OSError, ValueError) as e:  # ValueError: a hub id the hub's own check refuses
         return "broken", str(e)
+    broken = weights_problem(profile)
+    if broken:
+        return "broken", broken
     needs = " and ".join(pulls + ([" and ".join(hub) + " from the Hugging Face hub"] if hub else []))
     build = llama_server_build(profile)
     if build and build.startswith("building"):
@@ -132,6 +135,18 @@ def local_state(profile: Profile) -> tuple[str, str]:
         fetch = f"needs {needs} (loading downloads {'it' if len(pulls) + len(hub) == 1 else 'them'})" if needs else ""
         return "download", "; ".join(filter(None, [fetch, build]))
     return "here", ""
+
+
+def weights_problem(profile: Profile) -> Optional[str]:
+    """Why the weight files a profile would load cannot be read (a truncated download, a garbage
+    header), from their headers alone; None when they read or are not on this machine yet."""
+    from specchat.weight_memory import check_weight_files
+
+    try:
+        check_weight_files(profile)
+    except (BackendError, OSError) as e:
+        return str(e)
+    return None
 
 
 def llama_server_build(profile: Profile) -> Optional[str]:
@@ -250,9 +265,16 @@ def as_json(ps: ProfileSet, found: list[Availability]) -> dict:
     from specchat.weight_memory import weight_bytes
 
     by_name = {a.name: a for a in found}
+
+    def weights(p: Profile) -> Optional[int]:  # None: not on this machine, or broken (its reason says)
+        if p.remote or by_name[p.name].group == "broken":
+            return None
+        try:
+            return weight_bytes(p)
+        except (BackendError, OSError):  # past the header checks (a GGUF's metadata): the load says why
+            return None
     return {"profiles": {n: {**p.model_dump(), "group": by_name[n].group, "reason": by_name[n].reason,
-                             "weights_bytes": None if p.remote else weight_bytes(p)}  # None: not on this machine
-                         for n, p in ps.profiles.items()},
+                             "weights_bytes": weights(p)} for n, p in ps.profiles.items()},
             "errors": ps.errors, "groups": GROUPS}
 
 
@@ -299,7 +321,7 @@ def print_listing(console, found: list[Availability], wide: bool = False) -> Non
             group = a.group
             console.print(Text(a.heading, style=f"bold {a.colour}"))
         row(*columns(name, method, model))
-        notes = [(a.reason, "red" if a.profile is None else "dim" if a.group == "server" else "")]
+        notes = [(a.reason, "red" if a.group == "broken" else "dim" if a.group == "server" else "")]
         if wide and a.profile and a.profile.description:
             notes.append((a.profile.description, "italic dim"))
         for text, style in notes:

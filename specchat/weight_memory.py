@@ -10,13 +10,14 @@ measured peak).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from specchat.backends.base import BackendError
-from specchat.backends.weight_files import safetensors_header
+from specchat.backends.weight_files import check_gguf, safetensors_header
 from specchat.models import resolve_model
 from specchat.profiles import Profile
 
@@ -57,18 +58,50 @@ def precision_of(profile: Profile, ck: Checkpoint, device: str) -> str:
     return "int4" if ck.quantized else "float32"
 
 
-def weight_bytes(profile: Profile, device: str = "cpu") -> Optional[int]:
-    """The profile's target and drafter weights as loaded; None where a model is not on this machine."""
-    total = 0
+def local_checkpoints(profile: Profile):
+    """(path, kind) of the profile's target and drafter; None for one that is not on this machine."""
     models = [profile.model] + ([profile.speculative.drafter] if profile.speculative.drafter else [])
     for spec in models:
         try:
             ref = resolve_model(spec, profile.base_dir, fetch=False)
         except BackendError:
+            yield None
+            continue
+        yield None if ref.kind == "hub" or not ref.path.exists() else (ref.path, ref.kind)
+
+
+def check_weight_files(profile: Profile) -> None:
+    """Raise BrokenWeightFile for a weight file of the profile whose header does not fit the file
+    (headers only, cheap enough for every listing: nothing is loaded, torch is not imported)."""
+    for found in local_checkpoints(profile):
+        if found is None:
+            continue
+        path, kind = found
+        if kind == "gguf":
+            _check_gguf_once(str(path), *_stamp(path))
+        else:
+            for shard in sorted(Path(path).glob("*.safetensors")):
+                safetensors_header(shard)  # remembered by the file's size and time
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=32)
+def _check_gguf_once(path: str, size: int, mtime_ns: int) -> None:
+    """Profiles share a GGUF (eight name the default): its header is walked once per version of the file."""
+    check_gguf(path)
+
+
+def weight_bytes(profile: Profile, device: str = "cpu") -> Optional[int]:
+    """The profile's target and drafter weights as loaded; None where a model is not on this machine."""
+    total = 0
+    for found in local_checkpoints(profile):
+        if found is None:
             return None
-        if ref.kind == "hub" or not ref.path.exists():
-            return None
-        ck = read_checkpoint(ref.path, ref.kind)
+        ck = read_checkpoint(*found)
         if profile.backend in ("llamacpp", "llamaserver"):
             total += ck.file_bytes
         else:

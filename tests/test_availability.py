@@ -34,6 +34,20 @@ def machine(isolated_dirs, monkeypatch):
     return folder
 
 
+def tiny_gguf(path):
+    """A small GGUF whose header and tensor index read (its weights are only looked at, never loaded)."""
+    import gguf
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("w", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,8 +104,7 @@ def test_shipped_profiles_on_a_cpu_machine_without_downloads(machine):
 
 
 def test_the_default_model_in_the_cache_runs_here(machine):
-    path = cached_path("smollm2-135m-instruct")
-    path.write_bytes(b"GGUF")  # only looked at, never loaded
+    tiny_gguf(cached_path("smollm2-135m-instruct"))  # only looked at, never loaded
     got = by_name(classify(load_profiles(), probe_servers=False))
     assert all(got[n].group == "here" and got[n].reason == "" for n in LOCAL_SMOLLM2)
     assert [a.group for a in classify(load_profiles(), probe_servers=False)][0] == "here"
@@ -112,7 +125,7 @@ def test_a_hub_model_needs_a_download_until_it_is_in_the_hub_cache(machine, isol
 
 
 def test_a_gpu_profile_needs_a_gpu_on_a_cpu_only_machine(machine, monkeypatch):
-    cached_path("smollm2-135m-instruct").write_bytes(b"GGUF")
+    tiny_gguf(cached_path("smollm2-135m-instruct"))
     (machine / "on-gpu.yaml").write_text("model: smollm2-135m-instruct\ndevice: cuda\ndtype: bfloat16\n")
     (machine / "second-gpu.yaml").write_text("model: smollm2-135m-instruct\ndevice: cuda:1\n")
     got = by_name(classify(load_profiles(), probe_servers=False))
@@ -216,7 +229,7 @@ def test_profiles_json_has_each_group_and_reason(machine, models_server, capsys)
 def test_a_llama_server_profile_says_it_builds_the_server_first(machine, monkeypatch):
     from specchat.backends.llamaserver import build
 
-    cached_path("smollm2-135m-instruct").write_bytes(b"GGUF")
+    tiny_gguf(cached_path("smollm2-135m-instruct"))
     got = by_name(classify(load_profiles(), probe_servers=False))["smollm2-llamaserver-ngram"]
     assert got.group == "download" and got.choosable and "builds llama-server" in got.reason
     monkeypatch.setattr(build.shutil, "which", lambda name: None)
@@ -228,3 +241,36 @@ def test_a_llama_server_profile_says_it_builds_the_server_first(machine, monkeyp
     (root / build.BINARY).chmod(0o755)
     (root / "build.json").write_text("{}")
     assert by_name(classify(load_profiles(), probe_servers=False))["smollm2-llamaserver"].group == "here"
+
+
+def test_broken_weights_are_listed_broken_by_both_listings(machine, capsys, monkeypatch):
+    """A checkpoint whose weights cannot be read (an empty or garbage safetensors file) is `broken`
+    with the file's one line, in the plain listing and in --json alike; a sound one beside it runs."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    monkeypatch.setenv("COLUMNS", "200")
+    for name in ("empty", "garbage", "sound"):
+        d = machine.parent / "models" / name
+        d.mkdir(parents=True)
+        (d / "config.json").write_text('{"model_type": "llama"}')
+        (machine / f"{name}.yaml").write_text(f"backend: torch\nmodel: {d}\n")
+    save_file({"w": np.zeros((4, 4), dtype=np.float32)}, str(machine.parent / "models/sound/model.safetensors"))
+    (machine.parent / "models/empty/model.safetensors").write_bytes(b"")
+    garbage = (2**40).to_bytes(8, "little") + b"{not json" * 10
+    (machine.parent / "models/garbage/model.safetensors").write_bytes(garbage)
+
+    got = by_name(classify(load_profiles(), probe_servers=False))
+    for name in ("empty", "garbage"):
+        assert got[name].group == "broken" and not got[name].choosable
+        assert "model.safetensors: broken weight file" in got[name].reason and "\n" not in got[name].reason
+    assert got["sound"].group == "here"
+
+    listed = json.loads(listing(capsys, "--json", "--no-probe"))["profiles"]
+    assert listed["empty"]["group"] == "broken" and "broken weight file" in listed["empty"]["reason"]
+    assert listed["empty"]["weights_bytes"] is None and listed["garbage"]["group"] == "broken"
+    assert listed["sound"]["group"] == "here" and listed["sound"]["weights_bytes"] == 16 * 4
+    lines = listing(capsys, "--no-probe").splitlines()
+    row = lines.index(next(line for line in lines if line.startswith("  empty ")))
+    assert lines.index("broken") < row and "broken weight file (0 bytes" in lines[row + 1]
+    assert (machine.parent / "models/garbage/model.safetensors").read_bytes() == garbage  # only looked at
