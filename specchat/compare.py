@@ -25,6 +25,9 @@ MISMATCH = "mismatch"
 # the target-only reference itself gave different replies when run again (verify --repeat): the
 # speculative run cannot be judged against it, and no drafter is blamed
 NOT_REPRODUCIBLE = "target not reproducible"
+# the reference runs another engine, backend, dtype or quantization, and the speculative run's own
+# target-only reply already parts from it there: the engines' arithmetic differs, not the drafter
+ENGINES_DIFFER = "engines differ"
 
 # Largest score gap (logits, or tempered logits plus the position's Gumbel noise when sampling)
 # still attributed to arithmetic rather than to a bug where no verify row can be recomputed, by
@@ -52,7 +55,7 @@ def first_divergence(ref: Sequence, other: Sequence) -> Optional[int]:
 
 @dataclass
 class Verdict:
-    kind: str  # identical | near-tie | mismatch | target not reproducible
+    kind: str  # identical | near-tie | mismatch | target not reproducible | engines differ
     index: Optional[int] = None  # token (or character, for text alignment) index of the divergence
     ref_text: str = ""  # the reference's token at the divergence
     other_text: str = ""
@@ -82,6 +85,11 @@ class Verdict:
         where = f"{'token' if self.by == 'tokens' else 'character'} {self.index}"
         if self.kind == NOT_REPRODUCIBLE:
             return f"{self.kind}: its runs part at {where}: {self.ref_text!r} vs {self.other_text!r} · {self.why}"
+        if self.kind == ENGINES_DIFFER:
+            ours, theirs = repr(self.other_text), repr(self.ref_text)
+            if self.ref_score is not None and self.other_score is not None:  # both scored by our target
+                ours, theirs = f"{ours} ({self.other_score:.4f})", f"{theirs} ({self.ref_score:.4f})"
+            return f"{self.kind} at {where}: {ours} (its own target-only) vs {theirs} (reference) · {self.why}"
         margin = f", margin {self.margin:.2e}" if self.margin is not None else ""
         ref, other = repr(self.ref_text), repr(self.other_text)
         if self.ref_score is not None and self.other_score is not None:
@@ -100,11 +108,14 @@ def mark_and_colour(v: Verdict) -> tuple[str, str]:
     """How every front end shows a verdict: green only when every compared token was equal and both
     replies ended the same way; identical up to a stop plain; a near-tie (possible only without
     strict verification) yellow; a target that does not reproduce itself magenta (no drafter is
-    judged against it); a mismatch red."""
+    judged against it); another engine's reference that the speculative run's own target-only
+    already parts from cyan (the engines differ, not the drafter); a mismatch red."""
     if v.kind == IDENTICAL:
         return "✔", "green" if v.clean else ""
     if v.kind == NOT_REPRODUCIBLE:
         return "↯", "magenta"
+    if v.kind == ENGINES_DIFFER:
+        return "⇄", "cyan"
     return ("≈", "yellow") if v.kind == NEAR_TIE else ("✘", "red")
 
 

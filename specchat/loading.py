@@ -55,6 +55,11 @@ def load_backend(profile: Profile, progress: Optional[Callable[[str], None]] = N
 ARITHMETIC_FIELDS = ("backend", "model", "dtype", "device", "threads", "context", "compile")
 
 
+def same_arithmetic(spec: Profile, ref: Profile) -> bool:
+    """Whether `ref` is `spec`'s own target in the same arithmetic (a reference of the same engine)."""
+    return ref.method == "none" and all(getattr(ref, f) == getattr(spec, f) for f in ARITHMETIC_FIELDS)
+
+
 def load_reference(spec: Profile, spec_backend: Backend, ref: Profile, load=None) -> Backend:
     """The target-only reference of a run: on the run's own loaded weights, with a KV cache of its
     own (backends/native/shared_weights.py), when it is the same model in the same arithmetic and
@@ -63,8 +68,7 @@ def load_reference(spec: Profile, spec_backend: Backend, ref: Profile, load=None
     from specchat.backends.native.shared_weights import SharedWeights, unshareable_reason
 
     target = spec_backend if isinstance(spec_backend, TorchBackend) else getattr(spec_backend, "target", None)
-    same = ref.method == "none" and all(getattr(ref, f) == getattr(spec, f) for f in ARITHMETIC_FIELDS)
-    if same and isinstance(target, TorchBackend) and unshareable_reason(target) is None:
+    if same_arithmetic(spec, ref) and isinstance(target, TorchBackend) and unshareable_reason(target) is None:
         return SharedWeights(target)
     return (load or load_backend)(ref)
 

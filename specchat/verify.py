@@ -11,8 +11,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from specchat.backends.base import Backend, Request, Sampling, Summary, run_to_summary
 from specchat.backends.speculative.replay import reference_scores
-from specchat.compare import (MISMATCH, NEAR_TIE, NOT_REPRODUCIBLE, Verdict, judge_runs, judge_text, judge_tokens,
-                              near_tie_margin)
+from specchat.compare import (ENGINES_DIFFER, IDENTICAL, MISMATCH, NEAR_TIE, NOT_REPRODUCIBLE, Verdict, judge_runs,
+                              judge_text, judge_tokens, near_tie_margin)
 from specchat.prompts import PromptItem
 
 
@@ -190,14 +190,38 @@ def judge_replies(reference: Backend, request: Request, ref: Summary, other: Sum
 
 
 def check_prompt(spec: Backend, reference: Backend, request: Request, sampling: Sampling,
-                 repeat: int = 1) -> tuple[Summary, Summary, Verdict]:
+                 repeat: int = 1, own: Optional[Backend] = None) -> tuple[Summary, Summary, Verdict]:
     """The reference's reply (its first run of `repeat`, each from a fresh cache), the speculative
     reply and the verdict: the two replies judged, or NOT_REPRODUCIBLE where the reference's runs
-    disagree (then the speculative reply is only said to equal one of them, or none)."""
+    disagree (then the speculative reply is only said to equal one of them, or none).
+
+    `own`: the speculative profile's own target-only, where the reference is another engine,
+    backend, dtype or quantization: the speculative reply is judged against it (the drafter's
+    part), and where that is no mismatch, its reply against the reference (ENGINES_DIFFER: the
+    engines' part)."""
     refs = [run_to_summary(fresh(reference).stream(request, sampling)) for _ in range(repeat)]
     out = run_to_summary(fresh(spec).stream(request, sampling))
     unsteady = reference_disagrees(reference, refs, out) if repeat > 1 else None
-    return refs[0], out, unsteady or judge_replies(reference, request, refs[0], out, sampling, other_backend=spec)
+    if unsteady is not None:
+        return refs[0], out, unsteady
+    if own is None:
+        return refs[0], out, judge_replies(reference, request, refs[0], out, sampling, other_backend=spec)
+    own_reply = run_to_summary(fresh(own).stream(request, sampling))
+    drafter = judge_replies(own, request, own_reply, out, sampling, other_backend=spec)
+    if drafter.kind == MISMATCH:
+        drafter.why = f"against its own target-only reply, so the drafter's: {drafter.why}".rstrip(": ")
+        return refs[0], out, drafter
+    engines = judge_replies(own, request, own_reply, refs[0], sampling)
+    if engines.kind == IDENTICAL:
+        return refs[0], out, drafter
+    # the reference's token first, as in every verdict; both scored by our target where it can
+    v = Verdict(ENGINES_DIFFER, engines.index, engines.other_text, engines.ref_text, None, engines.compared,
+                engines.by, ref_score=engines.other_score, other_score=engines.ref_score, complete=engines.complete)
+    if v.ref_score is not None and v.other_score is not None:
+        v.margin = v.ref_score - v.other_score
+    v.why = ("the speculative reply is its own target-only reply" if drafter.kind == IDENTICAL else
+             f"the speculative reply against its own target-only: {drafter.line()}")
+    return refs[0], out, v
 
 
 def reference_disagrees(reference: Backend, refs: list[Summary], out: Summary) -> Optional[Verdict]:
@@ -214,7 +238,8 @@ def reference_disagrees(reference: Backend, refs: list[Summary], out: Summary) -
 
 
 def check_conversation(spec: Backend, reference: Backend, profile, item: PromptItem, sampling: Sampling,
-                       turns: int = 1, repeat: int = 1) -> Iterator[tuple[PromptCheck, Optional[str]]]:
+                       turns: int = 1, repeat: int = 1, own: Optional[Backend] = None
+                       ) -> Iterator[tuple[PromptCheck, Optional[str]]]:
     """The prompt's first `turns` user turns as one conversation, each checked as `check_prompt`
     does and continued with the reference's reply; the oldest turns are left out when the next one
     would not fit, as in the chat (context_window.py). Yields each turn's check and the note saying
@@ -234,7 +259,7 @@ def check_conversation(spec: Backend, reference: Backend, profile, item: PromptI
                             sampling.max_tokens, profile.context_policy)
         start = window.start
         ref, out, verdict = check_prompt(spec, reference, Request(messages=system + history[start:]), sampling,
-                                         repeat)
+                                         repeat, own)
         suffix_memory.remember(spec, None, None, out.token_ids)
         yield PromptCheck(item, ref, out, verdict, turn, repeat), window.note(context)
         history.append({"role": "assistant", "content": ref.text})
@@ -243,9 +268,9 @@ def check_conversation(spec: Backend, reference: Backend, profile, item: PromptI
 def summarize(checks: list[PromptCheck]) -> dict:
     n = len(checks)
     kinds = [c.verdict.kind for c in checks]
-    unsteady = kinds.count(NOT_REPRODUCIBLE)
-    return {"prompts": n, "identical": n - kinds.count(NEAR_TIE) - kinds.count(MISMATCH) - unsteady,
-            "near_ties": kinds.count(NEAR_TIE), "mismatches": kinds.count(MISMATCH),
+    unsteady, engines = kinds.count(NOT_REPRODUCIBLE), kinds.count(ENGINES_DIFFER)
+    return {"prompts": n, "identical": n - kinds.count(NEAR_TIE) - kinds.count(MISMATCH) - unsteady - engines,
+            "near_ties": kinds.count(NEAR_TIE), "mismatches": kinds.count(MISMATCH), "engines_differ": engines,
             "near_tie_rate": kinds.count(NEAR_TIE) / n if n else 0.0,
             "reference_runs": max((c.reference_runs for c in checks), default=1),
             "target_not_reproducible": unsteady,

@@ -189,6 +189,29 @@ def test_the_summary_counts_the_targets_run_to_run_agreement():
         return PromptCheck(PromptItem("1", ["q"]), Summary(STOP_MAX_TOKENS), Summary(STOP_MAX_TOKENS), Verdict(kind),
                            reference_runs=3)
 
-    totals = summarize([check("identical"), check("target not reproducible"), check("mismatch"), check("identical")])
+    totals = summarize([check("identical"), check("target not reproducible"), check("mismatch"), check("identical"),
+                        check("engines differ")])
     assert (totals["identical"], totals["mismatches"], totals["target_not_reproducible"]) == (2, 1, 1)
-    assert totals["reference_runs"] == 3 and totals["target_reproducible_rate"] == 0.75
+    assert totals["engines_differ"] == 1
+    assert totals["reference_runs"] == 3 and totals["target_reproducible_rate"] == 0.8
+
+
+def test_a_reference_on_another_engine_is_judged_as_one():
+    """-r naming another engine: the speculative reply is judged against its own target-only (the
+    drafter's part) and that against the reference (the engines' part), never blaming the drafter
+    for the engines."""
+    request, greedy = Request(messages=[{"role": "user", "content": "q"}]), Sampling(max_tokens=4)
+    other_engine = ScriptedBackend(["a b x d"])
+    ref, out, v = check_prompt(ScriptedBackend(["a b c d"]), other_engine, request, greedy,
+                               own=ScriptedBackend(["a b c d"]))
+    assert v.kind == "engines differ" and v.index == 2 and v.ok
+    assert (v.ref_text, v.other_text) == (" x", " c")  # the reference's token first, as in every verdict
+    assert "is its own target-only reply" in v.why and "(its own target-only) vs ' x' (reference)" in v.line()
+    v = check_prompt(ScriptedBackend(["a q c d"]), ScriptedBackend(["a b x d"]), request, greedy,
+                     own=ScriptedBackend(["a b c d"]))[2]
+    assert v.kind == "mismatch" and v.index == 1 and "against its own target-only reply" in v.why  # the drafter's
+    v = check_prompt(ScriptedBackend(["a b c d"]), ScriptedBackend(["a b c d"]), request, greedy,
+                     own=ScriptedBackend(["a b c d"]))[2]
+    assert v.kind == "identical"
+    assert check_prompt(ScriptedBackend(["a b c d"]), ScriptedBackend(["a b x d"]), request, greedy)[2].kind == \
+        "mismatch"  # without its own target-only, nothing tells the engines from the drafter

@@ -15,7 +15,7 @@ def cmd_verify(args) -> int:
 
     from specchat.compare import mark_and_colour
     from specchat.live import peak_rss_bytes, speculation_note
-    from specchat.loading import load_backend, load_reference, sampling_of
+    from specchat.loading import load_backend, load_reference, same_arithmetic, sampling_of
     from specchat.verify import check_conversation, summarize
 
     spec_profile = overridden(get_profile(args.profile), args)
@@ -27,15 +27,20 @@ def cmd_verify(args) -> int:
     prompts = prompt_set(args)
     console = Console(stderr=True, highlight=False)
     spec = load_backend(spec_profile)
-    reference = load_reference(spec_profile, spec, get_profile(args.reference) if args.reference
-                               else spec_profile.target_only())  # on spec's own weights where it can
+    ref_profile = get_profile(args.reference) if args.reference else spec_profile.target_only()
+    reference = load_reference(spec_profile, spec, ref_profile)  # on spec's own weights where it can
+    # a reference on another engine, backend, dtype or quantization: the speculative profile's own
+    # target-only runs too, so that each divergence is the drafter's or the engines'
+    own = None
+    if not spec_profile.remote and not same_arithmetic(spec_profile, ref_profile):
+        own = load_reference(spec_profile, spec, spec_profile.target_only())
     sampling = sampling_of(spec_profile)
     checks = []
     turns = 1 if args.turns == "first" else 1_000
     try:
         for item in prompts:
             for check, left_out in check_conversation(spec, reference, spec_profile, item, sampling, turns,
-                                                          args.repeat):
+                                                          args.repeat, own):
                 checks.append(check)
                 if left_out:
                     console.print(escape(f"  {check.label}: {left_out}"))
@@ -47,13 +52,15 @@ def cmd_verify(args) -> int:
     finally:
         # servers specchat started hold their weights in processes of their own: count them too
         servers_rss = [b.server_peak_rss_bytes() for b in (spec, reference) if hasattr(b, "server_peak_rss_bytes")]
-        spec.close()
-        reference.close()
+        for backend in (spec, reference, own):
+            if backend is not None:
+                backend.close()
     totals = summarize(checks)
     strict = getattr(spec, "strict", None)  # None: a server or llama.cpp verifies its own way
     if args.json:
         print(json.dumps({"profile": spec_profile.name, "reference": args.reference or f"{spec_profile.name} (target-only)",
                           "strict": strict, "reference_shares_weights": getattr(reference, "shares_weights", False),
+                          "reference_is_another_engine": own is not None,
                           "peak_rss_bytes": peak_rss_bytes(),
                           "server_peak_rss_bytes": sum(r or 0 for r in servers_rss) if servers_rss else None, **totals, "prompts_checked": [c.as_dict() for c in checks]}))
     else:
@@ -62,8 +69,12 @@ def cmd_verify(args) -> int:
                       "a token the speculative run's own verify row chose)"}[strict]
         checked = f"{totals['prompts']} prompts" if turns == 1 else f"{totals['prompts']} turns of {len(prompts)} prompts"
         unsteady = f", {totals['target_not_reproducible']} target not reproducible" if args.repeat > 1 else ""
+        engines = f", {totals['engines_differ']} where the engines differ" if own is not None else ""
         print(f"{checked}: {totals['identical']} identical, {totals['near_ties']} near-ties, "
-              f"{totals['mismatches']} mismatches{unsteady}{how}")
+              f"{totals['mismatches']} mismatches{engines}{unsteady}{how}")
+        if own is not None:
+            print(f"the reference runs another engine or other settings: each reply was also checked against "
+                  f"{spec_profile.name}'s own target-only; a mismatch is the drafter's, 'engines differ' is not")
         if args.repeat > 1:
             steady = totals["prompts"] - totals["target_not_reproducible"]
             print(f"target run-to-run: {steady} of {totals['prompts']} reproduced their reply in all {args.repeat} "
