@@ -8,7 +8,6 @@ from functools import partial
 from typing import Callable, Iterable, Optional
 
 from textual.app import App, SystemCommand
-from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.screen import Screen
 
 from specchat.backends.base import Backend, BackendError, Summary
@@ -19,52 +18,10 @@ from specchat.history import History, HistoryError
 from specchat.live import one_line
 from specchat.profiles import Profile, ProfileError, ProfileSet, load_profiles
 from specchat.tui.chat_screen import ChatScreen
-from specchat.tui.widgets import PickerRow
+from specchat.tui.profile_choice import ProfileCommands, availability_of, picker_rows, profile_line
 
 BackendLoader = Callable[[Profile], Backend]
 ENGINE_SWITCH_INTERVAL_S = 0.0005
-
-
-def profile_line(p: Profile) -> str:
-    method = p.method_label if p.remote else "target-only" if p.method == "none" else f"{p.method} (depth {p.speculative.depth})"
-    return f"{method} · {p.backend} · {p.model}"
-
-
-def picker_rows(found: list[Availability]) -> list[PickerRow]:
-    """The profile picker's lines: a heading per group (here first), each profile with why it does
-    not run here; one that cannot run now is refused (a download is not: loading fetches it)."""
-    rows, group = [], None
-    for a in found:
-        if a.group != group:
-            group = a.group
-            rows.append(PickerRow(None, a.heading, style=a.colour))
-        line = profile_line(a.profile) if a.profile else "broken"
-        rows.append(PickerRow(a.name, line, a.reason, "dim" if a.group == "server" else a.colour,
-                              refused=not a.choosable, note=a.reason if a.group == "download" else ""))
-    return rows
-
-
-class ProfileCommands(Provider):
-    """Command palette: "Profile: NAME" switches to it."""
-
-    def _items(self):
-        app = self.app
-        ps = app.profile_set()
-        for name, p in sorted(ps.profiles.items()):
-            yield f"Profile: {name}", profile_line(p), name
-        for name, err in sorted(ps.errors.items()):
-            yield f"Profile: {name} (broken)", err, name
-
-    async def discover(self) -> Hits:
-        for title, help_, name in self._items():
-            yield DiscoveryHit(title, partial(self.app.switch_profile, name), help=help_)
-
-    async def search(self, query: str) -> Hits:
-        matcher = self.matcher(query)
-        for title, help_, name in self._items():
-            score = matcher.match(title)
-            if score > 0:
-                yield Hit(score, matcher.highlight(title), partial(self.app.switch_profile, name), help=help_)
 
 
 # how often the chat looks at a background preparation (a file check; the status bar shows it)
@@ -217,6 +174,23 @@ class SpecChatApp(App):
     def _probe_thread(self, picker, ps: ProfileSet) -> None:
         rows = picker_rows(availability.classify(ps))
         self.call_from_thread(picker.show_rows, rows)
+
+    def choose_profile(self, name: str) -> None:
+        """A profile named outside the picker (the command palette): checked as the picker checks it,
+        its server asked, in a thread; switched to only when it can run now."""
+        self.run_worker(partial(self._choose_thread, name), thread=True, group="probe", exit_on_error=False,
+                        name=f"check {name}")
+
+    def _choose_thread(self, name: str) -> None:
+        self.call_from_thread(self._chosen, availability_of(self.profile_set(), name))
+
+    def _chosen(self, a: Availability) -> None:
+        if not a.choosable:
+            self.notify(a.reason, title=f"{a.name} cannot run now", severity="warning", timeout=10)
+            return
+        if a.group == "download":
+            self.notify(a.reason, title=a.name, timeout=8)
+        self.switch_profile(a.name)
 
     def switch_profile(self, name: str, then_ab: bool = False) -> None:
         """Load a profile's backend in a thread worker; the previous one stays usable until it works."""

@@ -92,3 +92,30 @@ async def test_picker_loads_a_profile_that_needs_a_download_after_saying_so(cpu_
                          what="plain loaded")
         assert any("specchat pull smollm2-135m-instruct" in n for n in notes(app))
         assert loader.loaded == ["spec", "plain"]
+
+
+async def test_palette_checks_a_profile_as_the_picker_does(cpu_machine):
+    """The command palette's "Profile: NAME" refuses, with the picker's reason, what cannot run now
+    (a GPU profile here, a server that does not answer, a broken file) and loads what can."""
+    from specchat.tui.app import ProfileCommands
+
+    loader = Loader({"spec": ScriptedBackend(["x"]), "plain": ScriptedBackend(["y"]),
+                     "gpu": ScriptedBackend(["never"]), "down": ScriptedBackend(["never"])})
+    app = SpecChatApp("spec", loader=loader)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.profile is not None and app.loading is None, what="spec loaded")
+        provider = ProfileCommands(app.screen)
+        await provider.startup()
+        items = {name: (title, help_) for title, help_, name in provider._items()}
+        assert items["gpu"][0] == "Profile: gpu (needs a GPU)" and "no CUDA GPU" in items["gpu"][1]
+        assert items["broken"][0] == "Profile: broken (broken)"
+        hits = {str(h.text): h for h in [h async for h in provider.search("Profile: gpu")]}
+        hits["Profile: gpu (needs a GPU)"].command()  # as choosing it in the palette does
+        await wait_until(pilot, lambda: any("no CUDA GPU" in n for n in notes(app)), what="gpu refused")
+        for name, why in (("down", "not answering at 127.0.0.1:"), ("broken", "speculativ")):
+            app.choose_profile(name)
+            await wait_until(pilot, lambda: any(why in n for n in notes(app)), what=f"{name} refused")
+        assert loader.loaded == ["spec"] and app.profile.name == "spec" and app.loading is None
+        app.choose_profile("plain")  # needs a download: said, then loaded
+        await wait_until(pilot, lambda: app.profile.name == "plain" and app.loading is None, what="plain loaded")
+        assert any("specchat pull smollm2-135m-instruct" in n for n in notes(app))
