@@ -3,6 +3,7 @@ table of known models."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,13 +91,17 @@ class ModelConfig:
 
         n_heads = count("num_attention_heads")
         head_dim = count("head_dim", 0) or count("hidden_size") // n_heads
-        partial = float(c.get("partial_rotary_factor") or (c.get("rope_parameters") or {}).get("partial_rotary_factor")
-                        or (0.25 if arch in GATED_HYBRIDS else 1.0))  # transformers' default for these
+        params = c.get("rope_parameters") or {}
+        if not isinstance(params, dict):
+            raise BackendError(f"{source}: `rope_parameters` is {json.dumps(params)}, not an object; {COMPLETE}")
+        partial = hf_number(c if c.get("partial_rotary_factor") is not None else params, "partial_rotary_factor",
+                            source, 0.25 if arch in GATED_HYBRIDS else 1.0, at_most=1.0)  # transformers' default
         return cls(
             vocab_size=count("vocab_size"), dim=count("hidden_size"), n_layers=count("num_hidden_layers"),
             n_heads=n_heads, n_kv_heads=count("num_key_value_heads", 0) or n_heads, head_dim=head_dim,
-            ffn_dim=count("intermediate_size"), norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(c), rope_scaling=_rope_scaling(c),
+            ffn_dim=count("intermediate_size"), norm_eps=hf_number(c, "rms_norm_eps", source, 1e-6),
+            rope_theta=hf_number(c if c.get("rope_theta") is not None else params, "rope_theta", source, 10000.0),
+            rope_scaling=_rope_scaling(c, source),
             max_position=count("max_position_embeddings", 4096),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=bool(c.get("attention_bias", arch in ("qwen2", "mimo"))),
@@ -142,6 +147,20 @@ def hf_count(c: dict, key: str, source: str, default: int | None = None) -> int:
     return value
 
 
+def hf_number(c: dict, key: str, source: str, default: float, at_most: float | None = None) -> float:
+    """`c[key]` as a finite number above 0 (and at most `at_most`); absent (or null), `default`; a
+    string, NaN, infinity, zero or a negative number is a BackendError naming the file and the key."""
+    value = c.get(key)
+    if value is None:
+        return default
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0
+            or (at_most is not None and value > at_most)):
+        bound = f" and at most {at_most:g}" if at_most is not None else ""
+        raise BackendError(f"{source}: `{key}` is {json.dumps(value)}, not a number above 0{bound}: the engine "
+                           f"reads it; {COMPLETE}")
+    return float(value)
+
+
 def _hybrid_layers(c: dict, source: str) -> dict:
     """`layer_types` (or the `full_attention_interval` it is built from) and the linear layers'
     shape. A layer type the engine does not run is a BackendError naming it."""
@@ -173,14 +192,29 @@ def _hybrid_layers(c: dict, source: str) -> dict:
     return {"layer_types": tuple(types), "linear": linear}
 
 
-def _rope_theta(c: dict) -> float:
-    params = c.get("rope_parameters") or {}
-    return float(c.get("rope_theta") or params.get("rope_theta") or 10000.0)
+# rope scaling kinds the engine computes (layers.rope_inv_freq) and the numbers each one reads
+ROPE_SCALING_KEYS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
-def _rope_scaling(c: dict) -> dict | None:
+def _rope_scaling(c: dict, source: str = "config.json") -> dict | None:
     s = c.get("rope_scaling") or c.get("rope_parameters")
     if not s:
         return None
+    if not isinstance(s, dict):
+        raise BackendError(f"{source}: `rope_scaling` is {json.dumps(s)}, not an object; {COMPLETE}")
     kind = s.get("rope_type") or s.get("type")
-    return None if kind in (None, "default") else dict(s, rope_type=kind)
+    if kind in (None, "default"):
+        return None
+    if kind not in ROPE_SCALING_KEYS:
+        raise BackendError(f"{source}: rope scaling '{kind}' is not supported by the torch engine (it runs "
+                           f"{' and '.join(ROPE_SCALING_KEYS)}); use backend: llamacpp or a server (backend: openai)")
+    for key in ROPE_SCALING_KEYS[kind]:
+        if s.get(key) is None:
+            raise BackendError(f"{source}: `rope_scaling` ({kind}) has no `{key}`; {COMPLETE}")
+        hf_number(s, key, f"{source}: rope_scaling", 1.0)
+    if kind == "llama3":
+        hf_count(s, "original_max_position_embeddings", f"{source}: rope_scaling")
+        if s["high_freq_factor"] <= s["low_freq_factor"]:
+            raise BackendError(f"{source}: rope_scaling's high_freq_factor ({s['high_freq_factor']}) is not above "
+                               f"its low_freq_factor ({s['low_freq_factor']}); {COMPLETE}")
+    return dict(s, rope_type=kind)

@@ -23,6 +23,10 @@ BROKEN = {  # how config.json is broken -> (its new text from the old dict, what
     "missing key": (_without_heads, "has no `num_attention_heads`: the engine needs it to build the attention layers"),
     "wrong type": (lambda c: json.dumps(c | {"num_attention_heads": "four"}), '`num_attention_heads` is "four"'),
     "not json": (lambda c: json.dumps(c)[:-9], "is not valid JSON"),
+    # float fields: Python's json writes NaN as the bare token `NaN`, which its reader (and transformers') accepts
+    "eps not a number": (lambda c: json.dumps(c | {"rms_norm_eps": "1e-5"}), '`rms_norm_eps` is "1e-5", not a number'),
+    "eps NaN": (lambda c: json.dumps(c | {"rms_norm_eps": float("nan")}), "`rms_norm_eps` is NaN, not a number above 0"),
+    "theta negative": (lambda c: json.dumps(c | {"rope_theta": -10000.0}), "`rope_theta` is -10000.0, not a number"),
 }
 
 
@@ -80,3 +84,42 @@ def test_gguf_metadata_without_a_needed_field_names_it(tmp_path):
     msg = str(e.value)
     assert "m.gguf" in msg and "`llama.attention.head_count` is missing" in msg and "\n" not in msg
     assert config_from_gguf(GgufIndex(fields | {"llama.attention.head_count": 2}, {})).n_kv_heads == 2
+
+
+BASE = {"vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"rms_norm_eps": "tiny"}, '`rms_norm_eps` is "tiny", not a number above 0'),
+    ({"rms_norm_eps": 0}, "`rms_norm_eps` is 0, not a number above 0"),
+    ({"rms_norm_eps": float("inf")}, "`rms_norm_eps` is Infinity"),
+    ({"rms_norm_eps": True}, "`rms_norm_eps` is true"),
+    ({"rope_theta": float("nan")}, "`rope_theta` is NaN"),
+    ({"rope_theta": [10000]}, "`rope_theta` is [10000]"),
+    ({"rope_parameters": {"rope_theta": -1}}, "`rope_theta` is -1"),
+    ({"partial_rotary_factor": 1.5}, "`partial_rotary_factor` is 1.5, not a number above 0 and at most 1"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, 'rope_scaling: `factor` is "2"'),
+    ({"rope_scaling": {"rope_type": "linear"}}, "`rope_scaling` (linear) has no `factor`"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn' is not supported by the torch engine"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                       "original_max_position_embeddings": 8192}}, "high_freq_factor (1.0) is not above"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+     "rope_scaling has no `original_max_position_embeddings`"),
+    ({"rope_scaling": "llama3"}, '`rope_scaling` is "llama3", not an object'),
+])
+def test_float_fields_are_checked_like_the_others(change, said):
+    with pytest.raises(BackendError) as e:
+        ModelConfig.from_hf(BASE | change, source="x/config.json")
+    msg = str(e.value)
+    assert msg.startswith("x/config.json") and said in msg and "\n" not in msg
+
+
+def test_float_fields_that_are_sound_are_read():
+    cfg = ModelConfig.from_hf(BASE | {"rms_norm_eps": 1e-5, "rope_theta": 500000, "partial_rotary_factor": 0.5,
+                                      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                       "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 8192}})
+    assert (cfg.norm_eps, cfg.rope_theta, cfg.rotary_dim) == (1e-5, 500000.0, 4)
+    assert cfg.rope_scaling["rope_type"] == "llama3"
+    assert ModelConfig.from_hf(BASE | {"rms_norm_eps": None}).norm_eps == 1e-6  # null: the default
+    assert ModelConfig.from_hf(BASE | {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}).rope_theta == 1e6
