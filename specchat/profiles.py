@@ -280,7 +280,21 @@ def _check_files(profile: Profile, path: Path) -> None:
 
 
 def load_profile_file(path: Path) -> Profile:
-    return _build(path.stem, _read_yaml(path), path)
+    """A profile given by its file (`-p path/to/x.yaml`); its `extends:` names a profile beside it,
+    a user profile or a shipped one (the closest wins), and only that chain is read."""
+    files = _profile_files()
+    files.update({f.stem: f for f in sorted(path.parent.glob("*.y*ml"))})
+    name = path.stem
+    files[name] = path
+    raw = {name: _read_yaml(path)}
+    parent = raw[name].get("extends")
+    while isinstance(parent, str) and parent in files and parent not in raw:
+        try:
+            raw[parent] = _read_yaml(files[parent])
+        except ProfileError:
+            break  # _resolve says the parent is broken
+        parent = raw[parent].get("extends")
+    return _build(name, _resolve(name, files, raw), path)
 
 
 def load_profiles() -> ProfileSet:

@@ -210,3 +210,30 @@ def test_suffix_settings_reach_the_engine_as_written(user_dir):
     assert s.method == "suffix" and s.suffix_first == 0
     assert s.suffix == SuffixSettings(min_prob=0.3, factor=2.0, max_match=16, memory=True, memory_replies=7,
                                       memory_tokens=900)
+
+
+def test_a_profile_given_by_its_path_extends_like_one_in_the_folders(user_dir, tmp_path, capsys):
+    """`-p path/to/x.yaml` with `extends:`: a shipped parent (its relative files still found), a
+    user one, one beside the file; a missing parent or a cycle is one line, exit 2."""
+    shipped = load_profiles().profiles["smollm2-mtp"]
+    elsewhere = tmp_path / "elsewhere"
+    mine = write(elsewhere, "mine", "extends: smollm2-mtp\nsampling: {temperature: 0.3}\n")
+    got = load_profiles().get(str(mine))
+    assert got.name == "mine" and got.model == shipped.model and got.sampling.temperature == 0.3
+    assert got.resolve_path(got.speculative.drafter) == shipped.resolve_path(shipped.speculative.drafter)
+    write(user_dir, "base", "extends: smollm2-fast\nsampling: {top_k: 7}\n")
+    write(elsewhere, "sibling", "extends: base\nspeculative: {depth: 3}\n")
+    child = write(elsewhere, "child", "extends: sibling\n")
+    got = load_profiles().get(str(child))
+    assert got.sampling.top_k == 7 and got.speculative.depth == 3 and got.method == shipped_method("smollm2-fast")
+    write(elsewhere, "orphan", "extends: nowhere\n")
+    write(elsewhere, "loop-a", "extends: loop-b\n")
+    write(elsewhere, "loop-b", "extends: loop-a\n")
+    for name, said in (("orphan", "extends: no profile named 'nowhere' to extend"), ("loop-a", "extends: cycle")):
+        assert cli.main(["run", "-p", str(elsewhere / f"{name}.yaml"), "hi"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and said in err and "Traceback" not in err
+
+
+def shipped_method(name: str) -> str:
+    return load_profiles().profiles[name].method
