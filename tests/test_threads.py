@@ -3,6 +3,7 @@ core count and say so in one line on stderr, once per process."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -73,3 +74,37 @@ def test_specchat_run_prints_the_note_as_one_bare_line(two_cores, isolated_dirs,
         logging.root.handlers[:] = handlers
     err = capsys.readouterr().err
     assert err.splitlines().count(NOTE) == 1 and "Traceback" not in err, err
+
+
+def cgroup_tree(tmp_path, files: dict[str, str], membership: str):
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "membership").write_text(membership)
+    return root, tmp_path / "membership"
+
+
+@pytest.mark.parametrize("files, membership, limit", [
+    ({"cpu.max": "max 100000\n"}, "0::/\n", None),  # v2, unlimited
+    ({"cpu.max": "150000 100000\n"}, "0::/\n", 1.5),  # a container seeing its own cgroup as the root
+    ({"cpu.max": "max 100000\n", "app/cpu.max": "400000 100000\n", "app/job/cpu.max": "max 100000\n"},
+     "0::/app/job\n", 4.0),  # a parent's quota binds its children
+    ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, "2:cpuacct:/\n1:cpu:/\n0::/\n", 2.0),
+    ({"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, "3:cpu,cpuacct:/\n", None),
+    ({"cpu.max": "garbage\n"}, "0::/\n", None),  # unreadable: no limit assumed
+])
+def test_cgroup_cpu_quota_is_read(tmp_path, files, membership, limit):
+    root, member = cgroup_tree(tmp_path, files, membership)
+    assert cpu.cgroup_cpu_limit(root, member) == limit
+
+
+def test_threads_respect_a_cgroup_quota(monkeypatch, caplog):
+    """A container granted 1.5 CPUs of a bigger machine runs 2 threads, not one per host core."""
+    monkeypatch.setattr(cpu, "_noted", set())
+    monkeypatch.setattr(cpu, "cgroup_cpu_limit", lambda: 1.5)
+    cores = cpu.physical_cores()
+    assert cores == min(2, len(os.sched_getaffinity(0)))
+    assert cpu.thread_count(0) == cores and cpu.thread_count(64) == cores
+    monkeypatch.setattr(cpu, "cgroup_cpu_limit", lambda: 0.2)
+    assert cpu.physical_cores() == 1
