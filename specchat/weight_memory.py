@@ -1,5 +1,5 @@
 """How much memory a profile's weights take once loaded, from the checkpoint's tensor sizes alone
-(read from the file headers, nothing loaded), and a refusal before loading when that is more than
+(read from the file headers, or a PyTorch pickle's file size; nothing loaded or unpickled), and a refusal before loading when that is more than
 the device has free: one line with the numbers instead of the OOM killer halfway through a load.
 
 The figure is the weights as the engine holds them, a floor: the torch engine keeps a Q4 GGUF's
@@ -11,6 +11,7 @@ measured peak).
 from __future__ import annotations
 
 import functools
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,21 @@ def read_checkpoint(path: Path, kind: str) -> Checkpoint:
     for shard in sorted(Path(path).glob("*.safetensors")):  # each header checked against the file's size
         params += safetensors_header(shard).parameters
         stored += shard.stat().st_size
+    if not stored:  # PyTorch pickles (EAGLE-3 heads ship as pytorch_model.bin): never unpickled here
+        stored = sum(f.stat().st_size for f in Path(path).glob("pytorch_model*.bin"))
+        params = stored // stored_element_bytes(Path(path))
     return Checkpoint(params, stored, False)
+
+
+def stored_element_bytes(folder: Path) -> int:
+    """Bytes per stored weight of a checkpoint without headers to count from: config.json's
+    `torch_dtype` (or `dtype`); 4 (float32) when it does not say, so the estimate stays a floor."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        dtype = config.get("torch_dtype") or config.get("dtype")
+    except (OSError, ValueError, AttributeError):
+        dtype = None
+    return {"float16": 2, "bfloat16": 2, "float64": 8}.get(str(dtype).removeprefix("torch."), 4)
 
 
 def precision_of(profile: Profile, ck: Checkpoint, device: str) -> str:

@@ -45,3 +45,29 @@ def test_weights_past_the_free_memory_are_refused_before_loading(tiny, monkeypat
     assert cli.main(["run", "-p", "t-f32", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "MiB for its weights and cpu has 0.0 MiB free" in err
+
+
+@pytest.mark.parametrize("dtype, config", [("float16", {"torch_dtype": "float16"}), ("float32", {})])
+def test_a_pytorch_pickle_counts_by_its_size_without_being_unpickled(isolated_dirs, monkeypatch, dtype, config):
+    """An EAGLE-3 head ships as pytorch_model.bin: its size over the stored element size (config.json's
+    torch_dtype, float32 when it does not say), never 0 and never torch.load."""
+    import json
+
+    import torch
+
+    folder = isolated_dirs / "user-profiles"
+    head = folder / "head"
+    head.mkdir(parents=True)
+    (head / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
+    numel = 256 * 512 + 512
+    torch.save({"fc.weight": torch.zeros(256, 512, dtype=getattr(torch, dtype)),
+                "norm.weight": torch.zeros(512, dtype=getattr(torch, dtype))}, head / "pytorch_model.bin")
+
+    def refuse(*a, **k):
+        raise AssertionError("unpickled")
+    monkeypatch.setattr(torch, "load", refuse)
+    ck = weight_memory.read_checkpoint(head, "hf_dir")
+    assert ck.file_bytes == (head / "pytorch_model.bin").stat().st_size
+    assert numel <= ck.parameters <= numel * 1.02  # the pickle's own bytes on top of the tensors'
+    (folder / "binned.yaml").write_text("model: ./head\ndtype: float32\n")
+    assert weight_memory.weight_bytes(get_profile("binned")) == ck.parameters * 4
