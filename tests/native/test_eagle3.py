@@ -46,7 +46,8 @@ def test_every_format_reads_the_same_head(tiny_target, tmp_path, fmt):
 
 @pytest.mark.parametrize("fmt,norm_before_residual,tap_norms,norm_output", [
     ("specforge", False, None, False), ("speculators", True, None, False), ("eagle", False, None, False),
-    ("vllm", True, None, False), ("vllm", False, "norm_before_fc", False), ("speculators", True, "fc_norm", True)])
+    ("vllm", True, None, False), ("vllm", False, "norm_before_fc", False), ("vllm", True, None, True),
+    ("speculators", True, "fc_norm", True)])
 def test_head_matches_the_reference(tiny_target, tmp_path, fmt, norm_before_residual, tap_norms, norm_output):
     path = make_eagle3_checkpoint(tmp_path / fmt, tiny_target, fmt, seed=6, norm_before_residual=norm_before_residual,
                                   tap_norms=tap_norms, norm_output=norm_output)
