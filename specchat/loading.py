@@ -197,7 +197,7 @@ def load_llamaserver(profile: Profile, progress=None):
     settings = LlamaServerSettings(
         path, profile.model, context=profile.context, threads=profile.threads, spec=tuple(args),
         extra=tuple(config.args), port=config.port, startup_timeout_s=config.startup_timeout_s,
-        timeout_s=config.timeout_s, repack=extra_buffers_work(path, paths.cache_dir()))
+        timeout_s=config.timeout_s, repack=extra_buffers_work(path, paths.cache_dir()), slots=config.slots)
     log = paths.cache_dir() / "llama-server" / "logs" / f"{profile.name.replace(':', '-')}.log"
     return LlamaServerBackend(binary, settings, log=log, where=where)
 

@@ -142,12 +142,13 @@ class LlamaServerConfig(Strict):
     port: Optional[int] = Field(None, ge=1, le=65535)  # unset: a free loopback port
     startup_timeout_s: float = Field(120.0, gt=0)
     timeout_s: float = Field(60.0, gt=0)  # for the server to send the next chunk
+    slots: int = Field(1, ge=1, le=64)  # requests served at once (-np), each with the whole context
 
     @field_validator("args", "spec_args")
     @classmethod
     def _no_owned(cls, v: list[str]) -> list[str]:
-        owned = {"-m", "--model", "--host", "--port", "-c", "--ctx-size", "--alias", "-a"} & set(v)
+        owned = {"-m", "--model", "--host", "--port", "-c", "--ctx-size", "--alias", "-a", "-np", "--parallel"} & set(v)
         if owned:
-            raise ValueError(f"{', '.join(sorted(owned))}: specchat sets these from model, context and its own "
-                             "port; leave them out")
+            raise ValueError(f"{', '.join(sorted(owned))}: specchat sets these from model, context, slots and "
+                             "its own port; leave them out")
         return v

@@ -153,6 +153,8 @@ class PromptCheck:
     verdict: Verdict
     turn: int = 1  # which user turn of the prompt's conversation
     reference_runs: int = 1  # how many times the reference ran (verify --repeat)
+    request: Optional[Request] = None  # what both runs were sent
+    under_load: Optional[dict] = None  # where the replies changed with others in flight (verify --concurrency)
 
     @property
     def label(self) -> str:
@@ -163,7 +165,7 @@ class PromptCheck:
                 "reference_tokens": self.reference.tokens, "speculative_tokens": self.speculative.tokens,
                 "mean_accepted": self.speculative.mean_accepted if self.speculative.spec_reported else None,
                 "reference_runs": self.reference_runs,
-                "reference_reproducible": self.verdict.kind != NOT_REPRODUCIBLE}
+                "reference_reproducible": self.verdict.kind != NOT_REPRODUCIBLE, "under_load": self.under_load}
 
 
 def judge_replies(reference: Backend, request: Request, ref: Summary, other: Summary, sampling: Sampling,
@@ -258,10 +260,10 @@ def check_conversation(spec: Backend, reference: Backend, profile, item: PromptI
         window = fit_window(lambda msgs: len(spec.tokenize_chat(msgs)), system, history, start, context,
                             sampling.max_tokens, profile.context_policy)
         start = window.start
-        ref, out, verdict = check_prompt(spec, reference, Request(messages=system + history[start:]), sampling,
-                                         repeat, own)
+        request = Request(messages=system + history[start:])
+        ref, out, verdict = check_prompt(spec, reference, request, sampling, repeat, own)
         suffix_memory.remember(spec, None, None, out.token_ids)
-        yield PromptCheck(item, ref, out, verdict, turn, repeat), window.note(context)
+        yield PromptCheck(item, ref, out, verdict, turn, repeat, request), window.note(context)
         history.append({"role": "assistant", "content": ref.text})
 
 

@@ -42,6 +42,13 @@ def test_verify_repeats_the_reference_at_least_twice(capsys):
         assert err.count("\n") == 1 and "--repeat" in err and "2 or more" in err
 
 
+def test_verify_under_load_needs_servers_and_two_in_flight(capsys):
+    for argv, says in ((["--concurrency", "2"], "needs server profiles"), (["--concurrency", "1"], "2 or more")):
+        assert cli.main(["verify", "-p", "smollm2-ngram", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err
+
+
 def test_empty_prompt_and_bad_override_are_usage_errors(tiny_profile, capsys):
     assert cli.main(["run", "-p", tiny_profile, "  "]) == 2
     assert cli.main(["run", "-p", tiny_profile, "hi", "--temperature", "-2"]) == 2

@@ -46,6 +46,7 @@ class LlamaServerSettings:
     startup_timeout_s: float = 120.0
     timeout_s: float = 60.0
     repack: bool = True
+    slots: int = 1  # requests served at once (-np), each with the whole context
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ class LlamaServerBackend(OpenAIBackend):
         self.settings = settings
         self.spec_label = spec_label(settings.spec)
         args = server_args(settings.model, settings.alias, settings.context, settings.threads, spec=settings.spec,
-                           extra=settings.extra, repack=settings.repack)
+                           extra=settings.extra, repack=settings.repack, slots=settings.slots)
         self.process = ServerProcess(binary, args, log=log, port=settings.port,
                                      startup_timeout_s=settings.startup_timeout_s, where=where).start()
         try:

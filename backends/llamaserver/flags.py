@@ -65,13 +65,14 @@ def spec_label(args: Sequence[str]) -> str:
 
 
 def server_args(model: Path, alias: str, context: int, threads: int, *, spec: Sequence[str] = (),
-                extra: Sequence[str] = (), repack: bool = True) -> list[str]:
+                extra: Sequence[str] = (), repack: bool = True, slots: int = 1) -> list[str]:
     """The full command line after the binary (the host and port are the process's to add)."""
-    # One slot (the whole context for one reply), the counters `/metrics` reads, the GGUF's own chat
+    # `slots` requests at once (one unless asked: verify --concurrency), each with the whole context
+    # (llama-server splits -c over its slots), the counters `/metrics` reads, the GGUF's own chat
     # template, and flash attention off as in llama-cpp-python (the `llamacpp` backend), whose
     # target-only replies are then the server's token for token (`extra` may turn it back on).
-    args = ["-m", str(model), "--alias", alias, "-c", str(context), "-np", "1", "--metrics", "--no-webui",
-            "--jinja", "-fa", "off"]
+    args = ["-m", str(model), "--alias", alias, "-c", str(context * slots), "-np", str(slots), "--metrics",
+            "--no-webui", "--jinja", "-fa", "off"]
     if threads:
         args += ["-t", str(threads)]
     if not repack:

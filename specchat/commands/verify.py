@@ -16,6 +16,7 @@ def cmd_verify(args) -> int:
     from specchat.compare import mark_and_colour
     from specchat.live import peak_rss_bytes, speculation_note
     from specchat.loading import load_backend, load_reference, same_arithmetic, sampling_of
+    from specchat import under_load
     from specchat.verify import check_conversation, summarize
 
     spec_profile = overridden(get_profile(args.profile), args)
@@ -24,10 +25,13 @@ def cmd_verify(args) -> int:
     if spec_profile.method == "none" and not spec_profile.remote and not args.reference:
         raise UsageError(f"profile '{spec_profile.name}' has no speculative method; verify compares a "
                          "speculative profile with its target-only reference (or with -r REFERENCE)")
+    ref_profile = get_profile(args.reference) if args.reference else spec_profile.target_only()
+    if args.concurrency:
+        spec_profile, ref_profile = (under_load_profile(p, what, args) for p, what in
+                                     ((spec_profile, "profile"), (ref_profile, "reference")))
     prompts = prompt_set(args)
     console = Console(stderr=True, highlight=False)
     spec = load_backend(spec_profile)
-    ref_profile = get_profile(args.reference) if args.reference else spec_profile.target_only()
     reference = load_reference(spec_profile, spec, ref_profile)  # on spec's own weights where it can
     # a reference on another engine, backend, dtype or quantization: the speculative profile's own
     # target-only runs too, so that each divergence is the drafter's or the engines'
@@ -49,13 +53,17 @@ def cmd_verify(args) -> int:
                 note = speculation_note(check.speculative)
                 console.print(f"{mark} {check.label} " + escape(
                     f"[{item.task}] {check.verdict.line()}" + (f" · {note}" if note else "")))
+        loaded = None
+        if args.concurrency:
+            console.print(f"the same {len(checks)} requests again, {args.concurrency} in flight at once…")
+            loaded = under_load.check_under_load(spec, reference, checks, sampling, args.concurrency)
     finally:
         # servers specchat started hold their weights in processes of their own: count them too
         servers_rss = [b.server_peak_rss_bytes() for b in (spec, reference) if hasattr(b, "server_peak_rss_bytes")]
         for backend in (spec, reference, own):
             if backend is not None:
                 backend.close()
-    totals = summarize(checks)
+    totals = summarize(checks) | ({"under_load": loaded} if loaded else {})
     strict = getattr(spec, "strict", None)  # None: a server or llama.cpp verifies its own way
     if args.json:
         print(json.dumps({"profile": spec_profile.name, "reference": args.reference or f"{spec_profile.name} (target-only)",
@@ -80,7 +88,23 @@ def cmd_verify(args) -> int:
             print(f"target run-to-run: {steady} of {totals['prompts']} reproduced their reply in all {args.repeat} "
                   "target-only runs" + ("" if steady == totals["prompts"] else
                                         " (the others are not judged: the target itself does not reproduce them)"))
+        if loaded:
+            print("\n".join(under_load.report(loaded, checks)))
     return EXIT_RUNTIME if totals["mismatches"] else EXIT_OK
+
+
+def under_load_profile(profile, what: str, args):
+    """The profile ready for --concurrency: a server profile (else a UsageError), a llama-server
+    that specchat starts given that many slots; first turns only."""
+    from specchat.under_load import concurrency_problem
+
+    if problem := concurrency_problem(profile, what):
+        raise UsageError(problem)
+    if args.turns != "first":
+        raise UsageError("--concurrency sends each prompt's first turn: leave out --turns all")
+    if profile.backend == "llamaserver":
+        return profile.with_overrides({"llama_server.slots": args.concurrency})
+    return profile
 
 
 def add_parser(sub) -> None:
@@ -93,6 +117,9 @@ def add_parser(sub) -> None:
     p.add_argument("--repeat", type=count("--repeat", least=2), default=1, metavar="N",
                    help="run the target-only reference N times (N >= 2), each from a fresh cache: a prompt whose "
                         "runs disagree is 'target not reproducible', not a drafter's mismatch")
+    p.add_argument("--concurrency", type=count("--concurrency", least=2), metavar="C",
+                   help="server profiles: send the prompts again with C in flight at once and say which replies "
+                        "changed under load (a llama-server specchat starts gets C slots)")
     p.add_argument("--json", action="store_true")
     add_sampling_flags(p)
     p.set_defaults(func=cmd_verify)

@@ -138,3 +138,75 @@ class ReplayServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class InFlightServer:
+    """An OpenAI-compatible server on loopback whose reply depends on whether other requests were
+    in flight with it, as a batching server's may: alone it streams the tokens of `alone`; with
+    others, those of `crowded`. Each request waits `hold_s` before it answers, so that requests
+    sent together overlap even on a busy machine. Token ids come with the text, in llama-server's
+    logprobs format."""
+
+    def __init__(self, alone: str = " a b c d", crowded: str = " a b x d", hold_s: float = 1.0):
+        self.in_flight = 0
+        self.most_in_flight = 0
+        lock = threading.Lock()
+        server = self
+        ids = {piece: n for n, piece in enumerate(sorted(set(alone.split()) | set(crowded.split())), 10)}
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                body = json.dumps({"object": "list", "data": [{"id": MODEL}]}).encode()
+                self.send_response(200 if self.path == "/v1/models" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path != "/v1/chat/completions":
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                with lock:
+                    server.in_flight += 1
+                    server.most_in_flight = max(server.most_in_flight, server.in_flight)
+                    crowd = server.in_flight
+                end = time.monotonic() + hold_s
+                while time.monotonic() < end:  # the most in flight at any time while it waits
+                    time.sleep(0.02)
+                    with lock:
+                        crowd = max(crowd, server.in_flight)
+                text = alone if crowd == 1 else crowded
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                try:
+                    for piece in text.split():
+                        delta = {"content": " " + piece}
+                        logprobs = {"content": [{"id": ids[piece], "token": " " + piece, "logprob": -0.1,
+                                                 "top_logprobs": []}]}
+                        chunk = {"object": "chat.completion.chunk", "model": MODEL,
+                                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}]}
+                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    end = {"object": "chat.completion.chunk", "model": MODEL,
+                           "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+                    self.wfile.write(f"data: {json.dumps(end)}\n\ndata: [DONE]\n\n".encode())
+                    self.wfile.flush()
+                finally:
+                    with lock:
+                        server.in_flight -= 1
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
