@@ -209,13 +209,24 @@ def check_prompt(spec: Backend, reference: Backend, request: Request, sampling: 
     if own is None:
         return refs[0], out, judge_replies(reference, request, refs[0], out, sampling, other_backend=spec)
     own_reply = run_to_summary(fresh(own).stream(request, sampling))
+    return refs[0], out, attribute(own, request, own_reply, out, refs[0], sampling, spec)
+
+
+def attribute(own: Backend, request: Request, own_reply: Summary, out: Summary, ref: Summary, sampling: Sampling,
+              spec: Optional[Backend] = None) -> Verdict:
+    """The verdict on a speculative reply `out` whose reference `ref` came from another engine,
+    backend, dtype or quantization, told apart with `own_reply`, the speculative profile's own
+    target-only reply (from `own`, to `request`): judged against it first (a mismatch there is the
+    drafter's), and where that is no mismatch, its reply against the reference (ENGINES_DIFFER:
+    the engines' part, both tokens scored by our target where it can). `spec`: the backend that
+    produced `out` (its verify rows recomputed where they can be)."""
     drafter = judge_replies(own, request, own_reply, out, sampling, other_backend=spec)
     if drafter.kind == MISMATCH:
         drafter.why = f"against its own target-only reply, so the drafter's: {drafter.why}".rstrip(": ")
-        return refs[0], out, drafter
-    engines = judge_replies(own, request, own_reply, refs[0], sampling)
+        return drafter
+    engines = judge_replies(own, request, own_reply, ref, sampling)
     if engines.kind == IDENTICAL:
-        return refs[0], out, drafter
+        return drafter
     # the reference's token first, as in every verdict; both scored by our target where it can
     v = Verdict(ENGINES_DIFFER, engines.index, engines.other_text, engines.ref_text, None, engines.compared,
                 engines.by, ref_score=engines.other_score, other_score=engines.ref_score, complete=engines.complete)
@@ -223,20 +234,28 @@ def check_prompt(spec: Backend, reference: Backend, request: Request, sampling: 
         v.margin = v.ref_score - v.other_score
     v.why = ("the speculative reply is its own target-only reply" if drafter.kind == IDENTICAL else
              f"the speculative reply against its own target-only: {drafter.line()}")
-    return refs[0], out, v
+    return v
 
 
 def reference_disagrees(reference: Backend, refs: list[Summary], out: Summary) -> Optional[Verdict]:
     """NOT_REPRODUCIBLE where the reference's runs `refs` gave more than one reply, else None."""
     by_ids = all(r.token_ids for r in refs) and bool(out.token_ids)
     reply = (lambda r: list(r.token_ids)) if by_ids else (lambda r: r.text)
-    verdict = judge_runs([(reply(r), r.stop_reason) for r in refs], reference.detokenize,
-                         "tokens" if by_ids else "text")
+    verdict = judge_target_runs(reference, refs, by_ids)
     if verdict is not None:
         same = [k for k, r in enumerate(refs, 1) if reply(r) == reply(out) and r.stop_reason == out.stop_reason]
         verdict.why += (f"; the speculative reply equals run {', '.join(map(str, same))}" if same
                         else "; the speculative reply equals none of them")
     return verdict
+
+
+def judge_target_runs(reference: Backend, refs: list[Summary], by_ids: Optional[bool] = None) -> Optional[Verdict]:
+    """NOT_REPRODUCIBLE where target-only runs `refs` of one request (the same settings, each from
+    a fresh cache) gave more than one reply, else None. Aligned by token ids where every run
+    carries them (or as `by_ids` says), by text otherwise."""
+    by_ids = all(r.token_ids for r in refs) if by_ids is None else by_ids
+    reply = (lambda r: list(r.token_ids)) if by_ids else (lambda r: r.text)
+    return judge_runs([(reply(r), r.stop_reason) for r in refs], reference.detokenize, "tokens" if by_ids else "text")
 
 
 def check_conversation(spec: Backend, reference: Backend, profile, item: PromptItem, sampling: Sampling,
