@@ -1,6 +1,7 @@
 """One side of the A/B view: the reply as it streams, with its live figures."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from textual.app import ComposeResult
@@ -50,6 +51,20 @@ class ABPane(Vertical):
             self.tokens.content(origin=self.side == "spec", diverge_at=self.diverge_at))
         if follow:
             body.scroll_end(animate=False)
+
+    def char_offset(self, backend, index: int, by: str) -> int:
+        """Where token (or character) `index` of this pane's reply starts in its streamed text."""
+        text = self.tokens.text
+        if by == "text":
+            return min(index, len(text))
+        try:
+            prefix = backend.detokenize(self.summary.token_ids[:index])
+        except Exception:
+            return len(text)
+        if text.startswith(prefix):
+            return len(prefix)
+        # the streamed text may differ in leading whitespace: fall back to the common prefix
+        return len(os.path.commonprefix([prefix, text]))
 
     def render_stats(self) -> None:
         live = self.live

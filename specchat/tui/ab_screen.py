@@ -2,11 +2,12 @@
 
 By default the two run one after the other so their timings don't contend for the machine
 (both panes still stream, in turn); Ctrl+G switches to a race where they run at once. Replies
-are aligned by token ids and judged with `specchat.compare`, the module behind `specchat verify`.
+are aligned by token ids and judged with `specchat.compare`, the module behind `specchat verify`;
+a reference on another engine is judged as `verify` judges one, and Ctrl+F (or `specchat ab -p P
+-r P` with a target-only P) shows the target's own floor (ab_sides.py).
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -22,15 +23,16 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, Static
 
 from specchat.backends.base import Backend, BackendError, Summary
-from specchat.compare import IDENTICAL, Verdict, mark_and_colour, near_tie_margin
+from specchat.compare import IDENTICAL, Verdict, mark_and_colour
 from specchat.context_window import fit_ab_requests
 from specchat import suffix_memory
-from specchat.live import Failed, Item, LiveStats, memory_note, one_line, pump, speedup_line
-from specchat.loading import load_reference, sampling_of
+from specchat.live import Failed, Item, LiveStats, memory_note, one_line, pump
+from specchat.loading import sampling_of
 from specchat.profiles import Profile, ProfileError, load_profiles
-from specchat.verify import fresh, judge_replies, tie_margin_of, torch_engine_of
+from specchat.verify import fresh
 from specchat.tui.budget import RenderBudget
 from specchat.tui.ab_pane import ABPane
+from specchat.tui.ab_sides import Sides, where_replies_part
 from specchat.tui.widgets import ChatInput
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ class ABScreen(Screen):
         Binding("escape", "stop_or_close", "Stop / back", priority=True),
         Binding("ctrl+g", "toggle_race", "Race"),
         Binding("ctrl+l", "use_other", "Use other reply"),
+        Binding("ctrl+f", "toggle_floor", "Floor"),
     ]
 
     def __init__(self, reference: Optional[str] = None, prompt: Optional[str] = None):
@@ -62,10 +65,13 @@ class ABScreen(Screen):
         self.ref_profile: Optional[Profile] = None
         self.spec_backend: Optional[Backend] = None
         self.ref_backend: Optional[Backend] = None
+        self.sides: Optional[Sides] = None  # what each side runs, once the reference loaded
+        self.run_floor = False  # whether the run on screen was the floor
         self.verdict: Optional[Verdict] = None
         self.using = "reference"
         self.can_choose = False
         self.budget = RenderBudget()
+        self.left_backend: Optional[Backend] = None  # what the left pane's run on screen ran on
         self.pending_prompt = prompt  # sent before the reference loaded: runs once it has
         self.context_start = 0  # where the conversation's cut lies once the running turn is added
 
@@ -107,26 +113,23 @@ class ABScreen(Screen):
     def on_unmount(self) -> None:
         if self.cancel is not None:
             self.cancel.set()
-        if self.ref_backend is not None and self.ref_backend is not self.app.backend:
-            try:
-                self.ref_backend.close()
-            except Exception:
-                pass
+        if self.sides is not None:
+            self.sides.close(keep=self.app.backend)
 
     # -------------------------------------------------------------- reference load
     def _load_reference(self) -> None:
         try:
             ref = load_profiles().get(self.reference_name) if self.reference_name else self.spec_profile.target_only()
-            backend = load_reference(self.spec_profile, self.spec_backend, ref, self.app.reference_loader)
+            sides = Sides.load(self.spec_profile, self.spec_backend, ref, self.app.reference_loader)
         except (ProfileError, BackendError) as e:
-            self.app.call_from_thread(self._ref_loaded, None, None, str(e))
+            self.app.call_from_thread(self._ref_loaded, None, str(e))
             return
         except Exception as e:
-            self.app.call_from_thread(self._ref_loaded, None, None, one_line(e))
+            self.app.call_from_thread(self._ref_loaded, None, one_line(e))
             return
-        self.app.call_from_thread(self._ref_loaded, ref, backend, None)
+        self.app.call_from_thread(self._ref_loaded, sides, None)
 
-    def _ref_loaded(self, profile: Optional[Profile], backend: Optional[Backend], error: Optional[str]) -> None:
+    def _ref_loaded(self, sides: Optional[Sides], error: Optional[str]) -> None:
         if error:
             self.app.notify(f"reference failed to load: {error}", severity="error", timeout=12)
             self.query_one("#pane-ref .ab-title", Label).update(f"reference: failed to load: {error}")
@@ -134,19 +137,32 @@ class ABScreen(Screen):
                 self._withdraw_pending("your prompt is back in the input")
             return
         if not self.is_mounted:
-            backend.close()
+            sides.close(keep=self.app.backend)
             return
-        self.ref_profile, self.ref_backend = profile, backend
-        self.query_one("#pane-ref", ABPane).remote = profile.remote
-        shared = " · on the target's weights" if getattr(backend, "shares_weights", False) else ""
-        self.query_one("#pane-ref .ab-title", Label).update(
-            f"reference: {profile.name} ({profile.method_label}, {profile.backend}){shared}")
+        self.sides = sides
+        self.ref_profile, self.ref_backend = sides.ref_profile, sides.ref_backend
+        self.query_one("#pane-ref", ABPane).remote = sides.ref_profile.remote
+        self.query_one("#pane-ref .ab-title", Label).update(sides.ref_title())
+        self._show_mode()
+        self._show_header()
         if self.pending_prompt is not None:
             prompt, self.pending_prompt = self.pending_prompt, None
             self.start(prompt)
-        if self.spec_profile.method == "none" and not self.spec_profile.remote:
-            self.app.notify(f"{self.spec_profile.name} is not speculative: both sides decode target-only",
-                            severity="warning")
+        for warning in sides.warnings():
+            self.app.notify(warning, severity="warning", timeout=12)
+
+    def _show_mode(self) -> None:
+        floor = self.sides is not None and self.sides.floor
+        note = self.sides.floor_note() if floor else RACE_NOTE if self.race else SEQUENTIAL_NOTE
+        self.query_one("#ab-mode", Label).update(note)
+        if self.sides is not None:
+            self.query_one("#pane-spec .ab-title", Label).update(self.sides.left_title())
+
+    def _show_header(self) -> None:
+        parts = [f"A/B  ·  conversation so far: {len(self.app.conv.messages)} messages"]
+        note = self.sides.header_note() if self.sides is not None else None
+        memory = memory_note(self.ref_backend) if self.ref_backend is not None else None
+        self.query_one("#ab-header", Label).update("  ·  ".join(parts + [n for n in (note, memory) if n]))
 
     @property
     def ready(self) -> bool:
@@ -178,6 +194,10 @@ class ABScreen(Screen):
             return False
         if note:
             self.app.notify(note, timeout=8)
+        left_b = self.left_backend = self.sides.left_backend
+        if left_b is self.ref_backend:  # the floor by Ctrl+F: the reference's own request again
+            spec_req = ref_req
+        self.run_floor = self.sides.floor
         self.prompt = prompt
         sampling = sampling_of(self.spec_profile)  # both sides: same seed, same budget
         self.run_id += 1
@@ -185,14 +205,14 @@ class ABScreen(Screen):
         self.verdict = None
         self.can_choose = False
         self.panes = {p.side: p for p in self.query(ABPane)}
-        memory = suffix_memory.memory_of(self.spec_backend)
+        memory = suffix_memory.memory_of(left_b)
         self.panes["spec"].memory_line = f"suffix memory held {suffix_memory.describe(memory)}" if memory else ""
         self.panes["spec"].reset("running")
         self.panes["ref"].reset("running" if self.race else "waiting")
         self.query_one("#ab-verdict", Static).update("")
         self.running = True
         rid, cancel, q = self.run_id, self.cancel, self.events
-        spec_b, ref_b = self.spec_backend, self.ref_backend
+        spec_b, ref_b = left_b, self.ref_backend
 
         def spec():
             pump(fresh(spec_b), spec_req, sampling, cancel, q, (rid, "spec"), self.app.between_replies)
@@ -278,10 +298,10 @@ class ABScreen(Screen):
         conv.add("user", self.prompt)
         conv.context_start = self.context_start
         saved = conv.add("assistant", ref.tokens.text, profile=self.ref_profile.name)
-        if spec.summary.text == ref.summary.text:  # the reply the speculative side wrote joins its memory
+        if spec.summary.text == ref.summary.text and not self.run_floor:  # the speculative side's: its memory
             suffix_memory.remember(self.spec_backend, conv.id, saved, spec.summary.token_ids)
         self.using = "reference"
-        self.query_one("#ab-verdict", Static).update("judging…")
+        self.query_one("#ab-verdict", Static).update(self.sides.judging_line(self.run_floor))
         # judging may run reference forward passes (margins): never on the UI thread
         rid = self.run_id
         self.run_worker(partial(self._judge_thread, rid, ref.summary, spec.summary), thread=True,
@@ -291,9 +311,10 @@ class ABScreen(Screen):
         try:
             v = self.judge(ref, spec)
             offsets = (None, None)
-            if v.index is not None:
-                offsets = (self._char_offset(self.ref_backend, self.panes["ref"], v),
-                           self._char_offset(self.spec_backend, self.panes["spec"], v))
+            if v.kind != IDENTICAL:  # both panes highlighted from where the replies on screen part
+                where = where_replies_part(ref, spec)
+                offsets = (self.panes["ref"].char_offset(self.ref_backend, *where),
+                           self.panes["spec"].char_offset(self.left_backend, *where))
         except Exception as e:
             self.app.call_from_thread(self._judged, rid, None, (None, None), one_line(e))
             return
@@ -312,44 +333,23 @@ class ABScreen(Screen):
         ref.render_text()
         spec.render_text()
         self.can_choose = v.kind != IDENTICAL
-        memory = memory_note(self.ref_backend)
-        self.query_one("#ab-header", Label).update(
-            f"A/B  ·  conversation so far: {len(self.app.conv.messages)} messages" + (f"  ·  {memory}" if memory else ""))
+        self._show_header()
         self.show_verdict()
 
     def judge(self, ref: Summary, spec: Summary) -> Verdict:
-        """Token alignment with `specchat.compare` (as `specchat verify`); text when a side has no ids."""
-        spec_req, ref_req, sampling = self.requests
-        backend = self.ref_backend
-        tie = tie_margin_of(backend) if torch_engine_of(backend) is not None else near_tie_margin(self.ref_profile.dtype)
-        return judge_replies(backend, ref_req, ref, spec, sampling, tie, other_backend=self.spec_backend)
-
-    @staticmethod
-    def _char_offset(backend: Backend, pane: ABPane, v: Verdict) -> int:
-        text = pane.tokens.text
-        if v.by == "text":
-            return min(v.index, len(text))
-        ids = pane.summary.token_ids
-        try:
-            prefix = backend.detokenize(ids[:v.index])
-        except Exception:
-            return len(text)
-        if text.startswith(prefix):
-            return len(prefix)
-        # the streamed text may differ in leading whitespace: fall back to the common prefix
-        return len(os.path.commonprefix([prefix, text]))
+        """The run on screen judged (Sides.judge): may run the speculative profile's own target-only."""
+        return self.sides.judge(ref, spec, self.requests, self.run_floor, self.cancel, self.app.between_replies)
 
     def show_verdict(self) -> None:
         v = self.verdict
         spec, ref = self.panes["spec"].summary, self.panes["ref"].summary
         mark, colour = mark_and_colour(v)
-        items = [(f"{mark} {v.line()}", f"bold {colour}".strip())]
-        speedup = speedup_line(spec, ref)
-        if speedup:
-            items.append(f"  │ {speedup}")
+        items = [(f"{mark} {self.sides.verdict_line(v, self.run_floor)}", f"bold {colour}".strip())]
+        timing = self.sides.timing_line(spec, ref, self.run_floor)
+        if timing:
+            items.append(f"  │ {timing}")
         if self.can_choose:
-            items.append(f"\ncontinuing with the {self.using} reply (Ctrl+L: use the "
-                         f"{'speculative' if self.using == 'reference' else 'reference'} one) · Esc: back to chat")
+            items.append(f"\n{self.sides.choice_line(self.using, self.run_floor)} · Esc: back to chat")
         else:
             items.append("\nreply added to the conversation · Esc: back to chat")
         self.query_one("#ab-verdict", Static).update(Content.assemble(*items))
@@ -365,8 +365,25 @@ class ABScreen(Screen):
             self.app.pop_screen()
 
     def action_toggle_race(self) -> None:
+        if self.sides is not None and self.sides.floor:
+            self.app.notify("the floor runs one after the other: its two runs must not contend", severity="warning")
+            return
         self.race = not self.race
-        self.query_one("#ab-mode", Label).update(RACE_NOTE if self.race else SEQUENTIAL_NOTE)
+        self._show_mode()
+
+    def action_toggle_floor(self) -> None:
+        """The left pane runs the reference again (a fresh cache) instead of the speculative profile, or
+        back: the target's own run-to-run floor, seen before a drafter is judged against it."""
+        if self.sides is None or self.running:
+            self.app.notify("the reference is still loading" if self.sides is None else "still running: Esc stops both",
+                            severity="warning")
+            return
+        said, switched = self.sides.toggle_floor()
+        if switched and self.sides.floor:
+            self.race = False  # its two runs share one engine
+        self._show_mode()
+        self._show_header()
+        self.app.notify(said, severity="information" if switched else "warning", timeout=4)
 
     def action_use_other(self) -> None:
         if not self.can_choose:
@@ -376,6 +393,6 @@ class ABScreen(Screen):
         pane = self.panes["spec" if self.using == "speculative" else "ref"]
         conv = self.app.conv
         conv.pop_assistant()
-        conv.add("assistant", pane.tokens.text,
-                 profile=(self.spec_profile if self.using == "speculative" else self.ref_profile).name)
+        left = self.ref_profile if self.run_floor else self.spec_profile
+        conv.add("assistant", pane.tokens.text, profile=(left if self.using == "speculative" else self.ref_profile).name)
         self.show_verdict()
