@@ -38,7 +38,9 @@ keys: Enter send · Esc stop · F2 profile · F3 A/B view · Ctrl+T token colour
     "ab": """\
 examples:
   specchat ab -p smollm2-ngram             prompt lookup against target-only
-  specchat ab -p smollm2-mtp -r smollm2    MTP against a named reference""",
+  specchat ab -p smollm2-mtp -r smollm2    MTP against a named reference
+  specchat ab -p smollm2 -r smollm2        the floor: target-only vs itself
+keys: Esc stop/back · Ctrl+G race · Ctrl+L use other reply · Ctrl+F floor""",
     "repl": """\
 examples:
   specchat repl                   the REPL on the default profile
