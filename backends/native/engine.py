@@ -102,6 +102,7 @@ class TorchBackend(Backend):
         ck = load_checkpoint(path, kind, keep_int4=precision in ("auto", "int4") and self.device.type == "cpu",
                              cache_dir=cache_dir)
         self.precision = choose_precision(precision, self.device, ck)
+        self._matmul_rows: Optional[bool] = None  # matmuls_keep_row_bits, probed when first asked
         if self.precision == "int4" and self.device.type != "cpu":
             raise BackendError("precision int4 runs on CPU only; use bfloat16 on CUDA")
         dtype = torch.bfloat16 if self.precision == "int4" else getattr(torch, self.precision)
@@ -277,7 +278,20 @@ class TorchBackend(Backend):
         """Whether forward(..., row_exact=True) reproduces single-token passes bit for bit here
         (with compiled graphs, only where this machine's attention kernel lets rows share a call)."""
         return (self.device.type == "cpu" and self.precision in ROW_INVARIANT_PRECISIONS and not self.model.static
-                and (self.model.attention_calls_shared or not self.compile_planned))
+                and (self.model.attention_calls_shared or not self.compile_planned) and self.matmuls_keep_row_bits)
+
+    @property
+    def matmuls_keep_row_bits(self) -> bool:
+        """Whether this CPU's matmul kernels keep a row's bits beside other rows on this model's own
+        layers (exact_rows.matmuls_keep_row_bits: probed once, on the first attention layer's)."""
+        from .exact_rows import matmuls_keep_row_bits
+        from .linear import Linear
+
+        if self._matmul_rows is None:
+            layer = next((m for m in self.model.layers if hasattr(m, "attention")), None)
+            linears = tuple(m for m in layer.modules() if isinstance(m, Linear)) if layer is not None else ()
+            self._matmul_rows = matmuls_keep_row_bits(linears, self.model.dtype)
+        return self._matmul_rows
 
     @property
     def cache_len(self) -> int:

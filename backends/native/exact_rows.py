@@ -194,6 +194,24 @@ def mode_keeps_row_bits(kv_heads: int, group: int, head_dim: int, dtype: torch.d
     return True
 
 
+def matmuls_keep_row_bits(linears: tuple, dtype: torch.dtype) -> bool:
+    """Whether each of these layers (linear.Linear, as a verify row calls them) gives every row of
+    a call of 2..8 rows the bits of that row's one-row call, on random rows. torch's bfloat16 GEMM
+    and its int4 kernel do on CPUs with native bfloat16 (`ROW_INVARIANT_PRECISIONS` assumes so), but
+    a CPU that emulates bfloat16 may take another path for one row than for several; specchat's own
+    kernel does by construction, and is not probed. A few small multiplies."""
+    g = torch.Generator().manual_seed(0)
+    for lin in linears:
+        if lin.q4 is not None:
+            continue
+        x = torch.randn(8, lin.in_features, generator=g).to(dtype)
+        alone = torch.cat([lin(x[i:i + 1], exact=True) for i in range(8)])
+        for n in (2, 3, 4, 5, 8):
+            if not torch.equal(lin(x[:n], exact=True), alone[:n]):
+                return False
+    return True
+
+
 # ---- compiled row graphs ----
 
 _LATER_LAYER = re.compile(r"\._modules\['layers'\]\._modules\['([1-9]\d*)'\]|\.cache\.[kv]\[([1-9]\d*)\]")

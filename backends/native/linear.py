@@ -41,6 +41,16 @@ class Linear(nn.Module):
         self.dense = dense
 
     @property
+    def in_features(self) -> int:
+        if self.weight is not None:
+            return self.weight.shape[1]
+        if self.q4 is not None:  # tiles [N / 16, K / 32, 320]
+            return self.q4.shape[1] * 32
+        if self.dense is not None:
+            return self.dense.shape[1]
+        return self.int4[0].shape[1] * 2  # torch's packing: two 4-bit weights a byte
+
+    @property
     def quantized(self) -> bool:
         """Whether W is 4-bit (on either kernel)."""
         return self.int4 is not None or self.q4 is not None

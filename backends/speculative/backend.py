@@ -66,6 +66,10 @@ class SpeculativeBackend(Backend):
                 raise BackendError("strict verification with compile: true needs an attention kernel that keeps a "
                                    "row's bits in shared calls, which this CPU's does not; set compile: false "
                                    "(strict, eager) or strict: false")
+            if target.device.type == "cpu" and target.precision in ("bfloat16", "int4"):
+                raise BackendError(f"strict verification needs row-invariant kernels, but this CPU's "
+                                   f"{target.precision} matmul gives a row other bits beside other rows (no native "
+                                   "bfloat16?); set strict: false (or auto)")
             raise BackendError(f"strict verification needs row-invariant kernels (int4 or bfloat16 on CPU), "
                                f"but the target runs {target.precision} on {target.device.type}; "
                                "set dtype: bfloat16 (or auto for a Q4 GGUF) or strict: false")

@@ -157,6 +157,29 @@ def test_strict_refuses_kernels_that_are_not_row_invariant(target, drafters):
         SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=True)  # float32 target
 
 
+def test_strict_needs_matmuls_that_keep_a_rows_bits_on_this_cpu(tiny_pair, drafters, monkeypatch):
+    """bfloat16 is row-invariant on CPUs with native bfloat16 (as here), but not on every CPU: the
+    engine probes its own layers, and a kernel that rounds a row by its neighbours turns strict
+    verification off (auto) or refuses it (strict: true) with one line."""
+    from specchat.backends.base import BackendError
+    from specchat.backends.native.linear import Linear
+    from tests.speculative.conftest import engine
+
+    assert engine(tiny_pair[0], "bfloat16").matmuls_keep_row_bits  # this machine's kernels
+    real = Linear.forward
+
+    def rounds_by_neighbours(self, x, exact=False):  # a CPU whose several-row path rounds otherwise
+        y = real(self, x, exact)
+        return y if x.shape[0] == 1 else (y.float() * (1 + 2 ** -6)).to(y.dtype)
+
+    monkeypatch.setattr(Linear, "forward", rounds_by_neighbours)
+    target = engine(tiny_pair[0], "bfloat16")
+    assert not target.matmuls_keep_row_bits and not target.row_exact_supported
+    with pytest.raises(BackendError, match="gives a row other bits beside other rows"):
+        SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=True)
+    assert not SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=None).strict
+
+
 def test_draft_model_on_an_int4_target_guesses_with_an_int4_head(tmp_path):
     """Loaded from a profile: a draft model beside an int4 target gets an int4 copy of its
     full-vocabulary head (most of a small drafter's cost); the reply stays the target's."""
