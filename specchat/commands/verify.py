@@ -103,7 +103,8 @@ def under_load_profile(profile, what: str, args):
     if args.turns != "first":
         raise UsageError("--concurrency sends each prompt's first turn: leave out --turns all")
     if profile.backend == "llamaserver":
-        return profile.with_overrides({"llama_server.slots": args.concurrency})
+        return profile.model_copy(update={"llama_server": profile.server_config.model_copy(
+            update={"slots": args.concurrency})})
     return profile
 
 
