@@ -21,6 +21,7 @@ from ..base import Backend, BackendError, Event, Request, Sampling, decode_strea
 from ..cpu import thread_count
 from . import sampling as sampler
 from .background_graphs import BackgroundGraphs, compile_unavailable, is_compiler_error, threads_beside
+from .exact_rows import model_matmuls_keep_row_bits
 from .graph_store import GraphStore, Variant
 from .model import Transformer
 from .tokenizer import ChatTokenizer
@@ -102,7 +103,6 @@ class TorchBackend(Backend):
         ck = load_checkpoint(path, kind, keep_int4=precision in ("auto", "int4") and self.device.type == "cpu",
                              cache_dir=cache_dir)
         self.precision = choose_precision(precision, self.device, ck)
-        self._matmul_rows: Optional[bool] = None  # matmuls_keep_row_bits, probed when first asked
         if self.precision == "int4" and self.device.type != "cpu":
             raise BackendError("precision int4 runs on CPU only; use bfloat16 on CUDA")
         dtype = torch.bfloat16 if self.precision == "int4" else getattr(torch, self.precision)
@@ -275,23 +275,10 @@ class TorchBackend(Backend):
 
     @property
     def row_exact_supported(self) -> bool:
-        """Whether forward(..., row_exact=True) reproduces single-token passes bit for bit here
-        (with compiled graphs, only where this machine's attention kernel lets rows share a call)."""
-        return (self.device.type == "cpu" and self.precision in ROW_INVARIANT_PRECISIONS and not self.model.static
-                and (self.model.attention_calls_shared or not self.compile_planned) and self.matmuls_keep_row_bits)
-
-    @property
-    def matmuls_keep_row_bits(self) -> bool:
-        """Whether this CPU's matmul kernels keep a row's bits beside other rows on this model's own
-        layers (exact_rows.matmuls_keep_row_bits: probed once, on the first attention layer's)."""
-        from .exact_rows import matmuls_keep_row_bits
-        from .linear import Linear
-
-        if self._matmul_rows is None:
-            layer = next((m for m in self.model.layers if hasattr(m, "attention")), None)
-            linears = tuple(m for m in layer.modules() if isinstance(m, Linear)) if layer is not None else ()
-            self._matmul_rows = matmuls_keep_row_bits(linears, self.model.dtype)
-        return self._matmul_rows
+        """Whether forward(..., row_exact=True) gives single-token passes' bits here (exact_rows.py's terms)."""
+        m = self.model
+        return (self.device.type == "cpu" and self.precision in ROW_INVARIANT_PRECISIONS and not m.static
+                and (m.attention_calls_shared or not self.compile_planned) and model_matmuls_keep_row_bits(m))
 
     @property
     def cache_len(self) -> int:

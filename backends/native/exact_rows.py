@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import weakref
 from typing import Callable, NamedTuple
 
 import torch
@@ -210,6 +211,21 @@ def matmuls_keep_row_bits(linears: tuple, dtype: torch.dtype) -> bool:
             if not torch.equal(lin(x[:n], exact=True), alone[:n]):
                 return False
     return True
+
+
+_ROWS_PROBED: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def model_matmuls_keep_row_bits(model) -> bool:
+    """matmuls_keep_row_bits on the first attention layer's matrices of `model` (a Transformer),
+    probed once per model."""
+    from .linear import Linear
+
+    if model not in _ROWS_PROBED:
+        layer = next((m for m in model.layers if hasattr(m, "attention")), None)
+        linears = tuple(m for m in layer.modules() if isinstance(m, Linear)) if layer is not None else ()
+        _ROWS_PROBED[model] = matmuls_keep_row_bits(linears, model.dtype)
+    return _ROWS_PROBED[model]
 
 
 # ---- compiled row graphs ----

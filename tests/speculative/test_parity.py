@@ -162,10 +162,11 @@ def test_strict_needs_matmuls_that_keep_a_rows_bits_on_this_cpu(tiny_pair, draft
     engine probes its own layers, and a kernel that rounds a row by its neighbours turns strict
     verification off (auto) or refuses it (strict: true) with one line."""
     from specchat.backends.base import BackendError
+    from specchat.backends.native.exact_rows import model_matmuls_keep_row_bits
     from specchat.backends.native.linear import Linear
     from tests.speculative.conftest import engine
 
-    assert engine(tiny_pair[0], "bfloat16").matmuls_keep_row_bits  # this machine's kernels
+    assert model_matmuls_keep_row_bits(engine(tiny_pair[0], "bfloat16").model)  # this machine's kernels
     real = Linear.forward
 
     def rounds_by_neighbours(self, x, exact=False):  # a CPU whose several-row path rounds otherwise
@@ -174,7 +175,7 @@ def test_strict_needs_matmuls_that_keep_a_rows_bits_on_this_cpu(tiny_pair, draft
 
     monkeypatch.setattr(Linear, "forward", rounds_by_neighbours)
     target = engine(tiny_pair[0], "bfloat16")
-    assert not target.matmuls_keep_row_bits and not target.row_exact_supported
+    assert not model_matmuls_keep_row_bits(target.model) and not target.row_exact_supported
     with pytest.raises(BackendError, match="gives a row other bits beside other rows"):
         SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=True)
     assert not SpeculativeBackend(target, drafters["ngram"]("exact"), 3, strict=None).strict
