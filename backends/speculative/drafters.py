@@ -99,7 +99,8 @@ class SuffixDrafter(Drafter):
         self.local.reset()
 
     def find(self, tokens: Sequence[int], depth: int) -> Draft:
-        """The better draft of the two pools, or none (what the profile's sources may use)."""
+        """The better draft of the two pools the gate has not paused, or none. Its drafts carry no
+        distribution: under `rejection` acceptance their passes use `exact`, as prompt lookup's do."""
         best, source = None, ""
         if "suffix" not in self.paused:
             self.local.sync(tokens)
