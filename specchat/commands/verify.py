@@ -13,10 +13,10 @@ def cmd_verify(args) -> int:
     from rich.console import Console
     from rich.markup import escape
 
+    from specchat import under_load
     from specchat.compare import mark_and_colour
     from specchat.live import peak_rss_bytes, speculation_note
     from specchat.loading import load_backend, load_reference, same_arithmetic, sampling_of
-    from specchat import under_load
     from specchat.verify import check_conversation, summarize
 
     spec_profile = overridden(get_profile(args.profile), args)
