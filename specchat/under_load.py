@@ -30,7 +30,7 @@ def concurrency_problem(profile, what: str) -> Optional[str]:
 class LoadRun:
     concurrency: int
     changed_at: list[Optional[int]]  # per request: where its reply under load parts from its reply alone
-    replies: list[Summary]
+    replies: list[Summary]  # every reply under load (a request sent several times: each of them)
     wall_s: float  # from the first request sent to the last reply done
 
     @property
@@ -67,7 +67,7 @@ def run_under_load(backend: Backend, requests: Sequence[Request], alone: Sequenc
         at = parts_at(alone[i], reply)
         if at is not None and (changed[i] is None or at < changed[i]):
             changed[i] = at
-    return LoadRun(concurrency, changed, replies[:len(requests)] if len(order) == len(requests) else replies, wall)
+    return LoadRun(concurrency, changed, replies, wall)
 
 
 def check_under_load(spec: Backend, reference: Backend, checks: list, sampling: Sampling, concurrency: int) -> dict:
