@@ -18,6 +18,7 @@ from specchat.loading import load_backend, messages_for, sampling_of
 from specchat.models import NAMED_MODELS
 from specchat.profiles import Profile
 from specchat.prompts import PromptItem
+from specchat.under_load import LoadRun, run_under_load
 
 
 @dataclass
@@ -35,6 +36,7 @@ class ProfileResult:
     reference: Optional[str] = None  # label of the target-only row this one is compared with
     load_s: float = 0.0
     repeat: int = 1  # times each prompt was run; `runs` holds each prompt's median run (median_run)
+    under_load: Optional[LoadRun] = None  # the prompts again with several in flight (bench --concurrency)
 
     def subset(self, task: Optional[str]) -> list[Summary]:
         return [r.summary for r in self.runs if task is None or r.prompt.task == task]
@@ -127,9 +129,20 @@ def warm_up(backend: Backend, profile: Profile) -> None:
     run_to_summary(backend.stream(Request(messages=messages_for(profile, [{"role": "user", "content": "Hi"}])), sampling))
 
 
+def request_for(profile: Profile, item: PromptItem) -> Request:
+    return Request(messages=messages_for(profile, [{"role": "user", "content": item.first}]))
+
+
 def run_one(backend: Backend, profile: Profile, item: PromptItem) -> Run:
-    msgs = messages_for(profile, [{"role": "user", "content": item.first}])
-    return Run(item, run_to_summary(backend.stream(Request(messages=msgs), sampling_of(profile))))
+    return Run(item, run_to_summary(backend.stream(request_for(profile, item), sampling_of(profile))))
+
+
+def measure_under_load(res: ProfileResult, backend: Backend, concurrency: int) -> None:
+    """The row's prompts again with `concurrency` in flight at all times (under_load.py): the
+    throughput then, and which replies changed against the row's own runs."""
+    requests = [request_for(res.profile, run.prompt) for run in res.runs]
+    res.under_load = run_under_load(backend, requests, [run.summary for run in res.runs], sampling_of(res.profile),
+                                    concurrency)
 
 
 def median_run(tries: list[Run]) -> Run:
@@ -142,13 +155,14 @@ def bench(profiles: list[Profile], prompts: list[PromptItem],
           on_run: Callable[[str, Run], None] = lambda label, r: None,
           on_load: Callable[[str], None] = lambda label: None,
           extra_rows: Iterable[tuple[str, Callable[[], Backend], Profile]] = (),
-          interleave: bool = True, repeat: int = 1) -> list[ProfileResult]:
+          interleave: bool = True, repeat: int = 1, concurrency: int = 1) -> list[ProfileResult]:
     """Measure every row on every prompt, never two at once (they would contend for the cores).
 
     Interleaved (the default), all rows are loaded and take turns prompt by prompt, so that a
     slow spell of a shared machine hits every row alike and the ratios stay fair. Sequential
     loads one row at a time, for models too large to hold together. `repeat`: each prompt runs
-    that many times per row (taking turns each time) and the row keeps its median run."""
+    that many times per row (taking turns each time) and the row keeps its median run.
+    `concurrency` > 1 (server rows): then every row's prompts again, that many in flight at once."""
     if repeat < 1:
         raise ValueError(f"repeat must be 1 or more, not {repeat}")
     rows = [(label, (lambda p=p: load_backend(p)), p, ref) for label, p, ref in plan(profiles)]
@@ -187,6 +201,8 @@ def bench(profiles: list[Profile], prompts: list[PromptItem],
                 for _ in range(repeat):
                     for res, backend, row_tries in zip(results, loaded, tries):
                         measure(res, backend, item, row_tries)
+            for res, backend in zip(results, loaded) if concurrency > 1 else ():
+                measure_under_load(res, backend, concurrency)
         else:
             for res, factory in zip(results, factories):
                 loaded = [load(res, factory)]
@@ -194,6 +210,8 @@ def bench(profiles: list[Profile], prompts: list[PromptItem],
                     row_tries: list[Run] = []
                     for _ in range(repeat):
                         measure(res, loaded[0], item, row_tries)
+                if concurrency > 1:
+                    measure_under_load(res, loaded[0], concurrency)
                 loaded.pop().close()
                 gc.collect()
     finally:
@@ -235,6 +253,9 @@ def to_json(results: list[ProfileResult]) -> dict:
             "tokens_per_pass": r.tokens_per_pass(), "acceptance_by_position": r.acceptance_by_position(),
             "reference": r.reference, "speedup": speedup(results, r), "load_s": r.load_s,
             "suffix_memory": r.memory(),
+            "under_load": None if r.under_load is None else {
+                "concurrency": r.under_load.concurrency, "tok_s": r.under_load.tok_s,
+                "alone_tok_s": alone_tok_s(r), "changed": r.under_load.changed, "changed_at": r.under_load.changed_at},
             "by_task": {t: {"decode_tok_s": r.decode_tok_s(t), "mean_accepted": r.mean_accepted(t),
                             "tokens_per_pass": r.tokens_per_pass(t), "speedup": speedup(results, r, t),
                             "acceptance_by_position": r.acceptance_by_position(t)}
@@ -304,7 +325,7 @@ def render(results: list[ProfileResult]):
                      ttft(r.ttft_s()), f"{r.mean_accepted():.2f}" if speculated else "-",
                      f"{per_pass:.2f}" if per_pass else "-", f"{sp:.2f}x" if sp else "-")
     tasks = tasks_of(results)
-    warmth = memory_lines(results)
+    warmth = memory_lines(results) + load_lines(results)
     if len(tasks) < 2:
         return Group(main, "", *warmth) if warmth else main
     by_task = compact_table("speed-up by subtask", "plain numbers: decode tok/s (rows without a reference)")
@@ -319,6 +340,24 @@ def render(results: list[ProfileResult]):
         by_task.add_row(r.label, *cells)
     first = first_position_table(results, tasks)
     return Group(main, *(("", *warmth) if warmth else ()), "", by_task, *(("", first) if first.row_count else ()))
+
+
+def alone_tok_s(r: ProfileResult) -> float:
+    """Throughput one request at a time: every run's tokens over their wall time."""
+    wall = sum(run.summary.wall_s for run in r.runs)
+    return r.tokens() / wall if wall else 0.0
+
+
+def load_lines(results: list[ProfileResult]) -> list[str]:
+    """A line per row measured under load (bench --concurrency): throughput alone and at C, and
+    how many replies changed against the same request sent alone."""
+    lines = []
+    for r in results:
+        if (u := r.under_load) is not None:
+            lines.append(f"{r.label}: {alone_tok_s(r):.1f} tok/s one request at a time, {u.tok_s:.1f} tok/s with "
+                         f"{u.concurrency} in flight ({u.tok_s / alone_tok_s(r):.2f}x); {u.changed} of {len(r.runs)} "
+                         "replies changed under load" if alone_tok_s(r) else f"{r.label}: no tokens")
+    return lines
 
 
 def memory_lines(results: list[ProfileResult]) -> list[str]:

@@ -10,20 +10,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from specchat.backends.base import Backend, Request, Sampling, Summary, run_to_summary
+from specchat.backends.base import Backend, BackendError, Request, Sampling, Summary, run_to_summary
 from specchat.compare import judge_runs
 
 
 SERVER_BACKENDS = ("openai", "llamaserver")
 
 
-def concurrency_problem(profile, what: str) -> Optional[str]:
-    """Why `profile` cannot take several requests at once (None: it can): only servers do; the
-    torch engine and llama.cpp in process decode one request at a time."""
-    if profile.backend in SERVER_BACKENDS:
-        return None
-    return (f"{what} '{profile.name}' runs on the {profile.backend} backend, which decodes one request at a time: "
-            "--concurrency needs server profiles (backend openai or llamaserver)")
+def profile_for_load(profile, what: str, concurrency: int):
+    """`profile` ready to take `concurrency` requests at once: a server profile (else a
+    BackendError, one line: the torch engine and llama.cpp in process decode one request at a
+    time), a llama-server that specchat starts given that many slots."""
+    if profile.backend not in SERVER_BACKENDS:
+        raise BackendError(f"{what} '{profile.name}' runs on the {profile.backend} backend, which decodes one request "
+                           "at a time: --concurrency needs server profiles (backend openai or llamaserver)")
+    if profile.backend == "llamaserver":
+        return profile.model_copy(update={"llama_server": profile.server_config.model_copy(
+            update={"slots": concurrency})})
+    return profile
 
 
 @dataclass
@@ -83,8 +87,8 @@ def check_under_load(spec: Backend, reference: Backend, checks: list, sampling: 
         for check, at in zip(checks, run.changed_at):
             check.under_load = {**(check.under_load or {}), f"{side}_changed_at": at}
         alone_s = sum(r.wall_s for r in alone)
-        totals[side] = {"changed": run.changed, "alone_tok_s": sum(r.tokens for r in alone) / alone_s if alone_s else 0.0,
-                        "loaded_tok_s": run.tok_s}
+        alone_tok_s = sum(r.tokens for r in alone) / alone_s if alone_s else 0.0
+        totals[side] = {"changed": run.changed, "alone_tok_s": alone_tok_s, "loaded_tok_s": run.tok_s}
     return totals
 
 

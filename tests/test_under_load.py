@@ -61,3 +61,19 @@ def test_verify_reports_each_sides_changes_under_load(batching):
     lines = report(totals, checks)
     assert lines[0].startswith("under load (C=2): 2 of 2 target-only replies changed (0 at 2, 1 at 2)")
     assert "speculative replies changed" in lines[1] and "tok/s at C=2" in lines[1]
+
+
+def test_bench_measures_a_servers_rows_again_under_load(batching, tmp_path):
+    from specchat import bench
+    from specchat.profiles import load_profile_file
+
+    (tmp_path / "srv.yaml").write_text(f"backend: openai\nmodel: {MODEL}\nserver:\n  base_url: {batching.base_url}\n"
+                                       "sampling:\n  max_tokens: 4\n")
+    profile = load_profile_file(tmp_path / "srv.yaml")
+    prompts = [PromptItem(str(i), [f"question {i}"]) for i in range(3)]
+    [row] = bench.bench([profile], prompts, concurrency=3)
+    assert [r.summary.text for r in row.runs] == [" a b c d"] * 3  # measured one at a time first
+    assert row.under_load.changed == 3 and row.under_load.changed_at == [2, 2, 2] and row.under_load.tok_s > 0
+    lines = bench.load_lines([row])
+    assert "with 3 in flight" in lines[0] and "3 of 3 replies changed under load" in lines[0]
+    assert bench.to_json([row])["rows"][0]["under_load"]["changed"] == 3

@@ -16,6 +16,10 @@ def cmd_bench(args) -> int:
     from specchat import bench
 
     profiles = [overridden(get_profile(n), args) for n in (args.profile or [DEFAULT_PROFILE])]
+    if args.concurrency:
+        from specchat.under_load import profile_for_load
+
+        profiles = [profile_for_load(p, "profile", args.concurrency) for p in profiles]
     prompts = prompt_set(args)
     console = Console(stderr=True)
     extra = []
@@ -30,7 +34,7 @@ def cmd_bench(args) -> int:
         profiles, prompts, interleave=not args.sequential,
         on_load=lambda label: console.print(f"[bold]{label}[/bold]: loading…"),
         on_run=lambda label, r: console.print(escape(run_line(label, r)), highlight=False),
-        extra_rows=extra, repeat=args.repeat)
+        extra_rows=extra, repeat=args.repeat, concurrency=args.concurrency or 1)
     if args.json:
         print(json.dumps(bench.to_json(results)))
     else:
@@ -49,5 +53,8 @@ def add_parser(sub) -> None:
                    help="add a transformers `generate` reference row in this dtype (repeatable)")
     p.add_argument("--repeat", type=count("--repeat"), default=1, metavar="N",
                    help="run each prompt N times per profile and keep its median-speed run (default 1)")
+    p.add_argument("--concurrency", type=count("--concurrency", least=2), metavar="C",
+                   help="server profiles: then every prompt again with C in flight at once: throughput at C, and "
+                        "which replies changed under load (a llama-server specchat starts gets C slots)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)

@@ -27,7 +27,9 @@ def cmd_verify(args) -> int:
                          "speculative profile with its target-only reference (or with -r REFERENCE)")
     ref_profile = get_profile(args.reference) if args.reference else spec_profile.target_only()
     if args.concurrency:
-        spec_profile, ref_profile = (under_load_profile(p, what, args) for p, what in
+        if args.turns != "first":
+            raise UsageError("--concurrency sends each prompt's first turn: leave out --turns all")
+        spec_profile, ref_profile = (under_load.profile_for_load(p, what, args.concurrency) for p, what in
                                      ((spec_profile, "profile"), (ref_profile, "reference")))
     prompts = prompt_set(args)
     console = Console(stderr=True, highlight=False)
@@ -91,21 +93,6 @@ def cmd_verify(args) -> int:
         if loaded:
             print("\n".join(under_load.report(loaded, checks)))
     return EXIT_RUNTIME if totals["mismatches"] else EXIT_OK
-
-
-def under_load_profile(profile, what: str, args):
-    """The profile ready for --concurrency: a server profile (else a UsageError), a llama-server
-    that specchat starts given that many slots; first turns only."""
-    from specchat.under_load import concurrency_problem
-
-    if problem := concurrency_problem(profile, what):
-        raise UsageError(problem)
-    if args.turns != "first":
-        raise UsageError("--concurrency sends each prompt's first turn: leave out --turns all")
-    if profile.backend == "llamaserver":
-        return profile.model_copy(update={"llama_server": profile.server_config.model_copy(
-            update={"slots": args.concurrency})})
-    return profile
 
 
 def add_parser(sub) -> None:
