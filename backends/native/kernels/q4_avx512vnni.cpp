@@ -5,35 +5,23 @@
 
 #include "q4.h"
 
-// The float32 steps of q4.h for one row and one block: acc = fma(float(dot), d_w d, acc);
-// acc = fma(m_w, s, acc).
-static inline __m512 scale_block(__m512 acc, __m512i dot, __m512 dw, __m512 mw, const q8_row& row, int b) {
-    __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(row.d[b]));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
-    return _mm512_fmadd_ps(mw, _mm512_set1_ps(row.s[b]), acc);
-}
-
-// A tile's 32 k of 16 columns as 8 VNNI operands (k 4i..4i+3 of each column, unsigned).
-static inline void unpack(const q4_tile& t, __m512i w[8]) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int g = 0; g < 4; g++) {
-        __m512i packed = _mm512_loadu_si512(t.nibbles + 64 * g);
-        w[g] = _mm512_and_si512(packed, low);
-        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-    }
-}
-
-// Up to 4 rows: the rows' dots interleaved, each split into CH partial sums so that enough
-// independent vpdpbusd chains are in flight (integer sums: exact in any order).
 template <int M>
 static void rows_avx512(const q4_tile* tiles, int kb, const q8_row* rows, float* y, long ldy) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[M];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int b = 0; b < kb; b++) {
-        __m512i w[8];
-        unpack(tiles[b], w);
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tiles[b].d));
-        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tiles[b].m));
+        const q4_tile& t = tiles[b];
+        __m512i w[8];  // w[i]: k 4i..4i+3 of each column, unsigned
+        for (int g = 0; g < 4; g++) {
+            __m512i packed = _mm512_loadu_si512(t.nibbles + 64 * g);
+            w[g] = _mm512_and_si512(packed, low);
+            w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)t.d));
+        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)t.m));
+        // the int32 dots, rows interleaved and split into CH partial sums a row so that enough
+        // independent vpdpbusd chains are in flight (integer sums: exact in any order)
         constexpr int CH = M < 4 ? 4 / M : 1;
         __m512i dot[M * CH];
         for (int j = 0; j < M * CH; j++) dot[j] = _mm512_setzero_si512();
@@ -45,33 +33,9 @@ static void rows_avx512(const q4_tile* tiles, int kb, const q8_row* rows, float*
         for (int m = 0; m < M; m++) {
             __m512i sum = dot[m * CH];
             for (int c = 1; c < CH; c++) sum = _mm512_add_epi32(sum, dot[m * CH + c]);
-            acc[m] = scale_block(acc[m], sum, dw, mw, rows[m], b);
-        }
-    }
-    for (int m = 0; m < M; m++) _mm512_storeu_ps(y + m * ldy, acc[m]);
-}
-
-// 5 to 8 rows: one row at a time over the unpacked tile, its dot in 4 chains, so that the
-// registers hold the tile (8), the rows' accumulators (M) and one row's chains (4): with every
-// row's chain live at once they would not fit and spill.
-template <int M>
-static void many_rows_avx512(const q4_tile* tiles, int kb, const q8_row* rows, float* y, long ldy) {
-    __m512 acc[M];
-    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    for (int b = 0; b < kb; b++) {
-        __m512i w[8];
-        unpack(tiles[b], w);
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tiles[b].d));
-        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)tiles[b].m));
-        for (int m = 0; m < M; m++) {
-            const int32_t* x4 = (const int32_t*)(rows[m].q + b * Q4_BLOCK);
-            __m512i dot[4];
-            for (int c = 0; c < 4; c++)
-                dot[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], _mm512_set1_epi32(x4[c]));
-            for (int c = 0; c < 4; c++)
-                dot[c] = _mm512_dpbusd_epi32(dot[c], w[c + 4], _mm512_set1_epi32(x4[c + 4]));
-            __m512i sum = _mm512_add_epi32(_mm512_add_epi32(dot[0], dot[1]), _mm512_add_epi32(dot[2], dot[3]));
-            acc[m] = scale_block(acc[m], sum, dw, mw, rows[m], b);
+            __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(rows[m].d[b]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[m]);
+            acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(rows[m].s[b]), acc[m]);
         }
     }
     for (int m = 0; m < M; m++) _mm512_storeu_ps(y + m * ldy, acc[m]);
@@ -86,10 +50,10 @@ void q4_block_avx512vnni(const q4_tile* tiles, int kb, const q8_row* rows, int M
             case 2: rows_avx512<2>(tiles, kb, r, out, ldy); break;
             case 3: rows_avx512<3>(tiles, kb, r, out, ldy); break;
             case 4: rows_avx512<4>(tiles, kb, r, out, ldy); break;
-            case 5: many_rows_avx512<5>(tiles, kb, r, out, ldy); break;
-            case 6: many_rows_avx512<6>(tiles, kb, r, out, ldy); break;
-            case 7: many_rows_avx512<7>(tiles, kb, r, out, ldy); break;
-            default: many_rows_avx512<8>(tiles, kb, r, out, ldy); break;
+            case 5: rows_avx512<5>(tiles, kb, r, out, ldy); break;
+            case 6: rows_avx512<6>(tiles, kb, r, out, ldy); break;
+            case 7: rows_avx512<7>(tiles, kb, r, out, ldy); break;
+            default: rows_avx512<8>(tiles, kb, r, out, ldy); break;
         }
     }
 }
