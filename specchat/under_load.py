@@ -62,9 +62,20 @@ def run_under_load(backend: Backend, requests: Sequence[Request], alone: Sequenc
     that are sent several times over, to keep the load), each reply compared with `alone[i]`, the
     same request's reply sent alone."""
     order = [i % len(requests) for i in range(max(len(requests), concurrency))]
+
+    def send(i: int) -> Summary:  # a reply that fails names its request and the server's last words
+        where = f"under load ({concurrency} in flight), request {i + 1} of {len(requests)} failed"
+        try:
+            reply = run_to_summary(backend.stream(requests[i], sampling))
+        except BackendError as e:
+            raise BackendError(f"{where}: {e}") from None
+        if reply.error:
+            raise BackendError(f"{where}: {reply.error}")
+        return reply
+
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        replies = list(pool.map(lambda i: run_to_summary(backend.stream(requests[i], sampling)), order))
+        replies = list(pool.map(send, order))
     wall = time.perf_counter() - t0
     changed: list[Optional[int]] = [None] * len(requests)
     for i, reply in zip(order, replies):

@@ -77,3 +77,20 @@ def test_bench_measures_a_servers_rows_again_under_load(batching, tmp_path):
     lines = bench.load_lines([row])
     assert "with 3 in flight" in lines[0] and "3 of 3 replies changed under load" in lines[0]
     assert bench.to_json([row])["rows"][0]["under_load"]["changed"] == 3
+
+
+def test_a_server_that_falls_over_under_load_is_one_line_naming_the_request():
+    from specchat.backends.base import BackendError
+
+    falls = InFlightServer(drop_crowded=True)
+    try:
+        backend = OpenAIBackend(falls.base_url, MODEL, timeout_s=5)
+        sent = requests(2)
+        alone = [run_to_summary(backend.stream(r, GREEDY)) for r in sent]  # alone it answers
+        with pytest.raises(BackendError) as failed:
+            run_under_load(backend, sent, alone, GREEDY, 2)
+        line = str(failed.value)
+        assert line.startswith("under load (2 in flight), request ") and "of 2 failed: " in line
+        assert "\n" not in line
+    finally:
+        falls.stop()

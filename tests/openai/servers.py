@@ -147,7 +147,9 @@ class InFlightServer:
     sent together overlap even on a busy machine. Token ids come with the text, in llama-server's
     logprobs format."""
 
-    def __init__(self, alone: str = " a b c d", crowded: str = " a b x d", hold_s: float = 1.0):
+    def __init__(self, alone: str = " a b c d", crowded: str = " a b x d", hold_s: float = 1.0,
+                 drop_crowded: bool = False):
+        """drop_crowded: a request with others in flight gets its connection closed mid-reply."""
         self.in_flight = 0
         self.most_in_flight = 0
         lock = threading.Lock()
@@ -187,6 +189,12 @@ class InFlightServer:
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
                 try:
+                    if drop_crowded and crowd > 1:  # a server that falls over under load
+                        self.wfile.write(b'data: {"choices": [{"index": 0, "delta": {"content": " a"}}]}\n\n')
+                        self.wfile.flush()
+                        self.close_connection = True
+                        self.connection.shutdown(2)
+                        return
                     for piece in text.split():
                         delta = {"content": " " + piece}
                         logprobs = {"content": [{"id": ids[piece], "token": " " + piece, "logprob": -0.1,
