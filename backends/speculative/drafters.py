@@ -30,12 +30,36 @@ class NgramDrafter(Drafter):
         return Draft(self.index.propose(tokens, min(depth, self.depth or depth), depth))
 
 
-class LookupFirst(Drafter):
+class ModelBehind(Drafter):
+    """A drafter in front of a model drafter (`model`), which guesses only when the front one has
+    nothing: what the two kinds share. The model drafter still sees every commit, so it stays in
+    step on the passes it sits out."""
+
+    model: Drafter
+    model_depth: int
+
+    def model_draft(self, tokens: Sequence[int], depth: int) -> Draft:
+        if self.model.name in self.paused:
+            return Draft([])
+        draft = self.model.propose(tokens, min(depth, self.model_depth))
+        draft.source = draft.source or self.model.name
+        return draft
+
+    def reusable(self, prompt_ids) -> int:
+        return self.model.reusable(prompt_ids)
+
+    def commit(self, tokens, hidden) -> None:
+        self.model.commit(tokens, hidden)
+
+    def close(self) -> None:
+        self.model.close()
+
+
+class LookupFirst(ModelBehind):
     """Prompt lookup first, a model drafter otherwise: when the last `n_max`..`n_min` tokens
     appeared earlier in the conversation, propose up to `lookup_depth` tokens that followed them
     (copying runs are long and usually right; in one, up to `copy_depth`, see ngram.py); else ask
     `model` for up to `model_depth` guesses (the profile's depth, from plan_depth).
-    The model drafter still sees every commit, so it stays in step on the passes it sits out.
     Lookup drafts carry no distribution: under `rejection` acceptance those passes use `exact`."""
 
     def __init__(self, model: Drafter, lookup_depth: int, n_min: int = 2, n_max: int = 3, model_depth: int = 1,
@@ -50,9 +74,6 @@ class LookupFirst(Drafter):
         self.model_depth = depth
         return max(depth, self.lookup_depth, self.index.copy_depth)
 
-    def reusable(self, prompt_ids) -> int:
-        return self.model.reusable(prompt_ids)
-
     def start(self, prompt_ids, hidden, sampling: Sampling, reused: int = 0) -> None:
         self.index.reset()
         self.model.start(prompt_ids, hidden, sampling, reused)
@@ -66,17 +87,7 @@ class LookupFirst(Drafter):
             found = self.index.propose(tokens, min(depth, self.lookup_depth), depth)
             if found:
                 return Draft(found, source="lookup")
-        if self.model.name in self.paused:
-            return Draft([])
-        draft = self.model.propose(tokens, min(depth, self.model_depth))
-        draft.source = draft.source or self.model.name
-        return draft
-
-    def commit(self, tokens, hidden) -> None:
-        self.model.commit(tokens, hidden)
-
-    def close(self) -> None:
-        self.model.close()
+        return self.model_draft(tokens, depth)
 
 
 class SuffixDrafter(Drafter):
@@ -115,7 +126,7 @@ class SuffixDrafter(Drafter):
         return self.find(tokens, depth)
 
 
-class SuffixFirst(Drafter):
+class SuffixFirst(ModelBehind):
     """Suffix decoding first, a model drafter otherwise (as LookupFirst, with suffix decoding's
     drafts of up to `suffix_depth` tokens in place of prompt lookup's): the model guesses only
     when neither the conversation nor the memory has a confident continuation."""
@@ -135,9 +146,6 @@ class SuffixFirst(Drafter):
         self.model_depth = depth
         return max(depth, self.suffix_depth)
 
-    def reusable(self, prompt_ids) -> int:
-        return self.model.reusable(prompt_ids)
-
     def start(self, prompt_ids, hidden, sampling: Sampling, reused: int = 0) -> None:
         self.suffix.start(prompt_ids, hidden, sampling, reused)
         self.model.start(prompt_ids, hidden, sampling, reused)
@@ -151,17 +159,7 @@ class SuffixFirst(Drafter):
         found = self.suffix.find(tokens, min(depth, self.suffix_depth))
         if found.tokens:
             return found
-        if self.model.name in self.paused:
-            return Draft([])
-        draft = self.model.propose(tokens, min(depth, self.model_depth))
-        draft.source = draft.source or self.model.name
-        return draft
-
-    def commit(self, tokens, hidden) -> None:
-        self.model.commit(tokens, hidden)
-
-    def close(self) -> None:
-        self.model.close()
+        return self.model_draft(tokens, depth)
 
 
 class DraftModelDrafter(Drafter):
