@@ -20,6 +20,8 @@ STOP_EOS = "eos"
 STOP_MAX_TOKENS = "max_tokens"
 STOP_CANCELLED = "cancelled"
 STOP_CONTEXT_FULL = "context_full"
+# A constraint (JSON schema, regex, grammar) left no token the reply may continue with.
+STOP_CONSTRAINT = "constraint_dead_end"
 
 # What front ends show for a remote server that says nothing about its speculation: the figures
 # are unknown, which is not the same as zero drafts or 1.0 tokens per pass.
@@ -46,13 +48,33 @@ class Sampling:
         return self.temperature <= 0.0
 
 
+CONSTRAINT_KINDS = ("json_schema", "regex", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """The shape a reply must take: a JSON schema (its JSON text), a regular expression, or a
+    grammar (Lark syntax, or GBNF / EBNF as the grammar library reads them). `origin` names where
+    it came from (a file path, `--regex`, a profile) for one-line messages."""
+
+    kind: str
+    text: str
+    origin: str = ""
+
+    def __post_init__(self):
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {CONSTRAINT_KINDS}, not {self.kind!r}")
+
+
 @dataclass
 class Request:
     """What to generate from: chat messages (rendered with the model's own chat template)
-    or prompt token ids used as they are."""
+    or prompt token ids used as they are; `constraint`, if set, is the shape every reply token
+    must keep (every backend applies it to the target's own choice)."""
 
     messages: Sequence[Message] | None = None
     prompt_ids: Sequence[int] | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self):
         if (self.messages is None) == (self.prompt_ids is None):
