@@ -4,12 +4,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from .base import Backend, BackendError, Event, Request, Sampling, decode_stream
+from .base import Backend, BackendError, Constraint, Event, Request, Sampling, decode_stream
 from .cpu import thread_count
+from .gbnf import constraint_name, gbnf_of
 
 
 _PROBE = r"""
@@ -69,6 +72,19 @@ def without_extra_buffers():
 
 
 @contextlib.contextmanager
+def _stderr_into(sink):
+    """llama.cpp writes its grammar parser's complaints straight to fd 2: catch them in `sink` (a file)."""
+    sys.stderr.flush()
+    fd = os.dup(2)
+    try:
+        os.dup2(sink.fileno(), 2)
+        yield
+    finally:
+        os.dup2(fd, 2)
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def _quiet_stderr():
     """llama.cpp prints its load log straight to fd 2; keep the terminal clean."""
     fd = os.dup(2)
@@ -119,6 +135,7 @@ class LlamaCppBackend(Backend):
             bos_token=model.token_get_text(bos) if bos != -1 else "",
         )
         self._vocab = model.vocab
+        self._checked_grammars: set[str] = set()
         self.path = path
 
     @property
@@ -145,11 +162,35 @@ class LlamaCppBackend(Backend):
         reused = self._reusable(prompt)
         self.llm.set_seed(sampling.seed)
         temp = sampling.temperature
+        grammar = self._grammar(request.constraint) if request.constraint is not None else None
+        # The grammar sampler sits in llama.cpp's chain before the choice, greedy or sampled, and
+        # `generate` makes a fresh one (fresh grammar state) per reply. This backend runs target-only:
+        # it has no draft or prompt-lookup path that could skip the grammar.
         tokens = self.llm.generate(prompt, temp=temp, top_k=sampling.top_k if temp > 0 else 1,
-                                   top_p=sampling.top_p, min_p=0.0, repeat_penalty=1.0)
+                                   top_p=sampling.top_p, min_p=0.0, repeat_penalty=1.0, grammar=grammar)
         return decode_stream(tokens, prompt_tokens=len(prompt), sampling=sampling,
                              context_length=self.context_length, is_eos=self._is_eog, detokenize=self.detokenize,
                              cancel=cancel, prefill_start=lambda: reused)
+
+    def _grammar(self, constraint: Constraint):
+        """The constraint as llama.cpp's grammar, checked against this model's vocabulary first: an
+        invalid one would otherwise reach the sampler chain as a null sampler."""
+        import llama_cpp
+
+        text = gbnf_of(constraint)
+        if text not in self._checked_grammars:
+            with tempfile.TemporaryFile(mode="w+") as sink:
+                with _stderr_into(sink):
+                    sampler = llama_cpp.llama_sampler_init_grammar(self._vocab, text.encode("utf-8"), b"root")
+                sink.seek(0)
+                said = [line.strip() for line in sink.read().splitlines() if "error" in line.lower()]
+            if not sampler:
+                why = (said[0].partition("error parsing grammar:")[2].strip() or said[0]) if said else \
+                    "it has no `root` rule, or a rule llama.cpp cannot read"
+                raise BackendError(f"{constraint_name(constraint)}: llama.cpp could not parse the grammar: {why}")
+            llama_cpp.llama_sampler_free(sampler)
+            self._checked_grammars.add(text)
+        return llama_cpp.LlamaGrammar.from_string(text)
 
     def _reusable(self, prompt: Sequence[int]) -> int:
         """How many prompt tokens `Llama.generate` keeps from its cache: the longest common prefix

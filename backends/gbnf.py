@@ -1,0 +1,63 @@
+"""A constraint as llama.cpp takes it: a GBNF grammar.
+
+llama.cpp (the `llamacpp` backend, llama-cpp-python's server) constrains replies only by GBNF; a
+JSON schema becomes GBNF by llama-cpp-python's own converter (the Python port of llama.cpp's
+json-schema-to-grammar). A regular expression is refused, not converted: that port's regex
+translation mangles escapes (`\\d{3}` comes out as the literal text `\\d\\d\\d`), and a constraint
+that silently means something else is worse than none.
+"""
+from __future__ import annotations
+
+import functools
+import json
+
+from .base import BackendError, Constraint
+
+# Where a regular expression constraint does run, for the line that refuses one.
+REGEX_ENGINES = "the torch engine, vLLM or SGLang"
+
+
+def constraint_name(constraint: Constraint) -> str:
+    """How one-line messages name a constraint: where it came from, else what it is."""
+    return constraint.origin or {"json_schema": "the JSON schema", "regex": "the regular expression",
+                                 "grammar": "the grammar"}[constraint.kind]
+
+
+def schema_object(constraint: Constraint) -> dict:
+    """The JSON schema of a json_schema constraint, parsed (refused in one line if it is not a JSON object)."""
+    try:
+        schema = json.loads(constraint.text)
+    except json.JSONDecodeError as e:
+        raise BackendError(f"{constraint_name(constraint)}: the JSON schema is not valid JSON "
+                           f"(line {e.lineno} column {e.colno}: {e.msg})") from None
+    if not isinstance(schema, dict):
+        raise BackendError(f"{constraint_name(constraint)}: a JSON schema is a JSON object, "
+                           f"not a {type(schema).__name__}")
+    return schema
+
+
+def refuse_regex(constraint: Constraint, engine: str) -> BackendError:
+    return BackendError(f"{constraint_name(constraint)}: {engine} takes no regular expression constraint; "
+                        f"--regex runs on {REGEX_ENGINES} (on llama.cpp write it as a GBNF grammar: --grammar FILE)")
+
+
+@functools.lru_cache(maxsize=32)
+def gbnf_of(constraint: Constraint, engine: str = "llama.cpp") -> str:
+    """The constraint as GBNF text for llama.cpp. Refused in one line: a regular expression, a
+    schema llama.cpp's converter cannot translate, a grammar that is not GBNF."""
+    if constraint.kind == "regex":
+        raise refuse_regex(constraint, engine)
+    if constraint.kind == "json_schema":
+        from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+        schema_object(constraint)  # not JSON at all: said as such
+        try:
+            return json_schema_to_gbnf(constraint.text)
+        except Exception as e:  # the converter asserts, or trips over a malformed schema
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise BackendError(f"{constraint_name(constraint)}: {engine} cannot turn this JSON schema into a "
+                               f"grammar: {reason[:200]}") from None
+    if "::=" not in constraint.text:
+        raise BackendError(f"{constraint_name(constraint)}: {engine} reads GBNF grammars (`root ::= ...`), and "
+                           "this is not one (a Lark grammar runs on the torch engine)")
+    return constraint.text
