@@ -129,6 +129,26 @@ class ServerConfig(Strict):
         return v
 
 
+class ConstraintConfig(Strict):
+    """The shape every reply keeps (specchat/constraints.py): one of a JSON schema file, a regular
+    expression or a grammar file (Lark, or llama.cpp's GBNF); files relative to the profile's folder."""
+
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    grammar: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if len([k for k in ("json_schema", "regex", "grammar") if getattr(self, k) is not None]) != 1:
+            raise ValueError("give exactly one of json_schema (a file), regex or grammar (a file)")
+        return self
+
+    @property
+    def chosen(self) -> tuple[str, str]:
+        """(kind, value) of the one set."""
+        return next((k, getattr(self, k)) for k in ("json_schema", "regex", "grammar") if getattr(self, k) is not None)
+
+
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 
 

@@ -16,8 +16,8 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from specchat import paths
-from specchat.profile_sections import (LlamaServerConfig, SamplingConfig, ServerConfig, SpeculativeConfig,
-                                       Strict)
+from specchat.profile_sections import (ConstraintConfig, LlamaServerConfig, SamplingConfig, ServerConfig,
+                                       SpeculativeConfig, Strict)
 
 # The fastest lossless profile here (docs/results.md, "the default profile"): compiled decode graphs,
 # prepared in the background on a first start, with prompt lookup verified strictly. `smollm2`
@@ -47,6 +47,7 @@ class Profile(Strict):
     speculative: SpeculativeConfig = SpeculativeConfig()
     server: Optional[ServerConfig] = None  # backend openai only
     llama_server: Optional[LlamaServerConfig] = None  # backend llamaserver only
+    constraint: Optional[ConstraintConfig] = None  # the shape every reply keeps (a JSON schema, regex, grammar)
     source: Optional[str] = Field(None, exclude=True)  # the file it came from
 
     @field_validator("device")
@@ -246,6 +247,10 @@ def _anchor_paths(data: dict, folder: Path) -> dict:
     out = dict(data, model=anchored(data.get("model"))) if "model" in data else dict(data)
     if isinstance(out.get("speculative"), dict) and "drafter" in out["speculative"]:
         out["speculative"] = dict(out["speculative"], drafter=anchored(out["speculative"]["drafter"]))
+    constraint = out.get("constraint")
+    if isinstance(constraint, dict):  # its files, never its regex
+        out["constraint"] = {k: (str((folder / v).expanduser()) if k != "regex" and isinstance(v, str)
+                                 and not v.startswith(("/", "~")) else v) for k, v in constraint.items()}
     return out
 
 
