@@ -94,3 +94,20 @@ def test_a_server_that_falls_over_under_load_is_one_line_naming_the_request():
         assert "\n" not in line
     finally:
         falls.stop()
+
+
+def test_a_server_that_stalls_under_load_is_one_line_naming_the_request_and_the_wait():
+    from specchat.backends.base import BackendError
+
+    stalls = InFlightServer(stall_crowded=True)
+    try:
+        backend = OpenAIBackend(stalls.base_url, MODEL, timeout_s=3)
+        sent = requests(2)
+        alone = [run_to_summary(backend.stream(r, GREEDY)) for r in sent]
+        with pytest.raises(BackendError) as failed:
+            run_under_load(backend, sent, alone, GREEDY, 2)
+        line = str(failed.value)
+        assert line.startswith("under load (2 in flight), request ") and "sent nothing for 3s" in line, line  # not a broken pipe: no reply closes another's client
+        assert "\n" not in line
+    finally:
+        stalls.stop()

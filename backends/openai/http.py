@@ -47,6 +47,7 @@ class ServerConnection:
         self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = self._new_client()
+        self._retired: list[httpx.Client] = []
 
     def _new_client(self) -> httpx.Client:
         return httpx.Client(headers=self._headers, timeout=httpx.Timeout(
@@ -54,15 +55,18 @@ class ServerConnection:
 
     def reset(self) -> None:
         """Drop pooled connections: after a reply broke off, the server has usually closed its end,
-        and reusing that connection would fail the next request too."""
-        self.client.close()
+        and reusing that connection would fail the next request too. The old client is closed only
+        with the connection: other replies in flight on it (requests sent concurrently) go on."""
+        self._retired.append(self.client)
         self.client = self._new_client()
 
     def __repr__(self) -> str:
         return f"ServerConnection({self.base_url!r}, key={'from $' + self.api_key_env if self.has_key else 'none'})"
 
     def close(self) -> None:
-        self.client.close()
+        for client in [*self._retired, self.client]:
+            client.close()
+        self._retired.clear()
 
     def url(self, path: str, root: bool = False) -> str:
         return (self.root if root else self.base_url) + path
@@ -103,7 +107,9 @@ class ServerConnection:
         if code == 404:
             return BackendError(f"{self.where}: {url} not found (HTTP 404): is server.base_url the "
                                 "OpenAI-compatible root (usually ending in /v1)?")
-        return BackendError(f"{self.where}: the server answered HTTP {code} for {url}: {message}")
+        error = BackendError(f"{self.where}: the server answered HTTP {code} for {url}: {message}")
+        error.status, error.said = code, message  # for a caller that knows what the request asked
+        return error
 
     # ------------------------------------------------------------------ requests
     def request(self, method: str, path: str, *, root: bool = False, body: Optional[dict] = None,

@@ -148,8 +148,9 @@ class InFlightServer:
     logprobs format."""
 
     def __init__(self, alone: str = " a b c d", crowded: str = " a b x d", hold_s: float = 1.0,
-                 drop_crowded: bool = False):
-        """drop_crowded: a request with others in flight gets its connection closed mid-reply."""
+                 drop_crowded: bool = False, stall_crowded: bool = False):
+        """drop_crowded: a request with others in flight gets its connection closed mid-reply;
+        stall_crowded: it sends one chunk and then nothing more until the server stops."""
         self.in_flight = 0
         self.most_in_flight = 0
         lock = threading.Lock()
@@ -195,6 +196,11 @@ class InFlightServer:
                         self.close_connection = True
                         self.connection.shutdown(2)
                         return
+                    if stall_crowded and crowd > 1:  # a server that hangs under load, connection open
+                        self.wfile.write(b'data: {"choices": [{"index": 0, "delta": {"content": " a"}}]}\n\n')
+                        self.wfile.flush()
+                        server.stopped.wait()
+                        return
                     for piece in text.split():
                         delta = {"content": " " + piece}
                         logprobs = {"content": [{"id": ids[piece], "token": " " + piece, "logprob": -0.1,
@@ -210,11 +216,13 @@ class InFlightServer:
                     with lock:
                         server.in_flight -= 1
 
+        self.stopped = threading.Event()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
+        self.stopped.set()
         self.httpd.shutdown()
         self.httpd.server_close()
