@@ -19,7 +19,7 @@ ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 LAYER_TYPES = (ATTENTION, LINEAR_ATTENTION)
 # model types whose norms are zero-centred (weight stored as w, applied as 1 + w) and whose attention
 # has the sigmoid output gate: the Qwen3.5 / Qwen3-Next hybrids
-GATED_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_text")
+GATED_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,12 @@ class ModelConfig:
     zero_centred: bool = False  # norms stored as w, applied as 1 + w (folded in at load)
     layer_types: tuple[str, ...] = ()  # per layer ATTENTION or LINEAR_ATTENTION; () means all attention
     linear: LinearAttentionShape | None = None  # the linear-attention layers' shape, if any
+    moe: "MoeShape | None" = None  # the routed-expert MLPs' shape and placement, if any
     extra: dict = field(default_factory=dict)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of routed experts rather than dense."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     def is_linear(self, layer: int) -> bool:
         """Whether layer `layer` is a (recurrent) linear-attention layer rather than attention."""
@@ -85,10 +90,14 @@ class ModelConfig:
         if not isinstance(c, dict):
             raise BackendError(f"{source}: `text_config` is not an object; {COMPLETE}")
         arch = c.get("model_type", "llama")
+        if c.get("kv_lora_rank") or c.get("q_lora_rank"):
+            raise BackendError(f"{source}: {arch} uses multi-head latent attention (`kv_lora_rank`), which the torch "
+                               "engine does not run; use backend: llamacpp (a GGUF of it) or a server (backend: openai)")
 
         def count(key: str, default: int | None = None) -> int:
             return hf_count(c, key, source, default)
 
+        moe = moe_shape(c, source)
         n_heads = count("num_attention_heads")
         head_dim = count("head_dim", 0) or count("hidden_size") // n_heads
         params = c.get("rope_parameters") or {}
@@ -99,13 +108,15 @@ class ModelConfig:
         return cls(
             vocab_size=count("vocab_size"), dim=count("hidden_size"), n_layers=count("num_hidden_layers"),
             n_heads=n_heads, n_kv_heads=count("num_key_value_heads", 0) or n_heads, head_dim=head_dim,
-            ffn_dim=count("intermediate_size"), norm_eps=hf_number(c, "rms_norm_eps", source, 1e-6),
+            # a model whose every MLP is routed experts (Qwen3.5-MoE) has no dense width
+            ffn_dim=count("intermediate_size", 0 if moe and moe.all_sparse else None),
+            norm_eps=hf_number(c, "rms_norm_eps", source, 1e-6),
             rope_theta=hf_number(c if c.get("rope_theta") is not None else params, "rope_theta", source, 10000.0),
             rope_scaling=_rope_scaling(c, source),
             max_position=count("max_position_embeddings", 4096),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=bool(c.get("attention_bias", arch in ("qwen2", "mimo"))),
-            qk_norm=arch.startswith("qwen3"), arch=arch,
+            qk_norm=arch.startswith("qwen3") or bool(c.get("use_qk_norm")), arch=arch, moe=moe,
             rotary_dim=0 if partial >= 1.0 else int(head_dim * partial),
             output_gate=arch in GATED_HYBRIDS, zero_centred=arch in GATED_HYBRIDS, **_hybrid_layers(c, source))
 
@@ -218,3 +229,87 @@ def _rope_scaling(c: dict, source: str = "config.json") -> dict | None:
             raise BackendError(f"{source}: rope_scaling's high_freq_factor ({s['high_freq_factor']}) is not above "
                                f"its low_freq_factor ({s['low_freq_factor']}); {COMPLETE}")
     return dict(s, rope_type=kind)
+
+
+# ---- mixture-of-experts MLPs ----
+
+# config keys that count a model's routed experts, by family (GLM-4.5 / DeepSeek, Qwen, Mixtral)
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+# model types whose router renormalises its top-k weights whatever the config says (no flag in transformers)
+ALWAYS_RENORMALISED = ("qwen3_5_moe", "qwen3_5_moe_text")
+# transformers' default for `norm_topk_prob` where a config leaves it out, per model type
+NORM_TOPK_DEFAULT = {"qwen3_moe": False, "qwen3_next": True, "glm4_moe": True}
+# model types that score experts with a sigmoid and a selection bias (GLM-4.5, DeepSeek-V3's noaux_tc)
+SIGMOID_ROUTERS = ("glm4_moe", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """Routed-expert MLPs (../shared/reference/hybrid-moe-eagle3.md, sections 1.7 and 3).
+
+    Router: `scoring` "softmax" (Qwen: softmax over every expert, top-k, renormalised when
+    `renormalise`) or "sigmoid" (GLM-4.5: sigmoid scores, chosen by score + a correction bias
+    within the `topk_group` best of `n_group` groups, weighted by the unbiased scores, renormalised
+    when `renormalise`); then every weight times `scaling`. Shared experts: an always-on MLP of
+    `shared_dim` (0: none), behind a sigmoid gate when `shared_gate` (Qwen3-Next / Qwen3.5-MoE)."""
+    experts: int
+    top_k: int
+    expert_dim: int
+    sparse_layers: tuple[int, ...]
+    scoring: str = "softmax"
+    renormalise: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+    shared_dim: int = 0
+    shared_gate: bool = False
+    n_layers: int = 0
+
+    @property
+    def all_sparse(self) -> bool:
+        return len(self.sparse_layers) == self.n_layers
+
+
+def moe_shape(c: dict, source: str = "config.json") -> MoeShape | None:
+    """The routed-expert MLPs a (text) config describes, or None for a dense model. Placement:
+    layers from `first_k_dense_replace` on (GLM-4.5), every `decoder_sparse_step`-th outside
+    `mlp_only_layers` (Qwen3-MoE / Qwen3-Next); every layer where a family has neither."""
+    experts = next((c[k] for k in EXPERT_COUNT_KEYS if c.get(k)), 0)
+    if not experts:
+        return None
+    arch = c.get("model_type", "")
+
+    def count(key: str, default: int | None = None) -> int:
+        return hf_count(c, key, source, default)
+
+    n = count("num_hidden_layers")
+    experts = count(next(k for k in EXPERT_COUNT_KEYS if c.get(k)))
+    top_k = count("num_experts_per_tok")
+    if top_k > experts:
+        raise BackendError(f"{source}: `num_experts_per_tok` ({top_k}) is more than the {experts} experts; {COMPLETE}")
+    first_dense = c.get("first_k_dense_replace") or 0
+    step = count("decoder_sparse_step", 1)
+    only_mlp = c.get("mlp_only_layers") or []
+    if not isinstance(first_dense, int) or not isinstance(only_mlp, list):
+        raise BackendError(f"{source}: `first_k_dense_replace` / `mlp_only_layers` is not a number / a list; "
+                           f"{COMPLETE}")
+    sparse = tuple(i for i in range(n) if i >= first_dense and (i + 1) % step == 0 and i not in only_mlp)
+    if not sparse:
+        return None
+    scoring = c.get("scoring_func") or ("sigmoid" if arch in SIGMOID_ROUTERS else "softmax")
+    if scoring not in ("softmax", "sigmoid"):
+        raise BackendError(f"{source}: router scoring '{scoring}' is not one the torch engine runs (softmax, "
+                           "sigmoid); use backend: llamacpp or a server (backend: openai)")
+    n_group = count("n_group", 1)
+    topk_group = count("topk_group", 1)
+    if experts % n_group or topk_group > n_group:
+        raise BackendError(f"{source}: {experts} experts do not split into `n_group` {n_group} groups of which "
+                           f"`topk_group` {topk_group} are kept; {COMPLETE}")
+    renormalise = arch in ALWAYS_RENORMALISED or bool(c.get("norm_topk_prob", NORM_TOPK_DEFAULT.get(arch, True)))
+    shared_dim = c.get("shared_expert_intermediate_size") or 0
+    if not shared_dim and c.get("n_shared_experts"):
+        shared_dim = count("n_shared_experts") * count("moe_intermediate_size")
+    return MoeShape(experts=experts, top_k=top_k, expert_dim=count("moe_intermediate_size"), sparse_layers=sparse,
+                    scoring=scoring, renormalise=renormalise, n_group=n_group, topk_group=topk_group,
+                    scaling=hf_number(c, "routed_scaling_factor", source, 1.0), shared_dim=int(shared_dim),
+                    shared_gate=arch in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen2_moe"), n_layers=n)

@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..base import Backend, BackendError, Event, Request, Sampling, decode_stream
+from ..base import Backend, BackendError, Event, Request, Sampling
 from ..cpu import thread_count
 from . import sampling as sampler
 from .background_graphs import BackgroundGraphs, compile_unavailable, is_compiler_error, threads_beside
@@ -108,9 +108,9 @@ class TorchBackend(Backend):
         dtype = torch.bfloat16 if self.precision == "int4" else getattr(torch, self.precision)
         self._context = min(context, ck.cfg.max_position) if ck.cfg.max_position else context
         no_graphs = None  # why compile: true cannot be had
-        if ck.cfg.hybrid and compile:
-            no_graphs = (f"{path.name} is a hybrid (linear-attention) model, whose compiled decode graphs "
-                         "specchat does not build yet; set compile: false")
+        if (ck.cfg.hybrid or ck.cfg.moe) and compile:
+            no_graphs = (f"{path.name} is a {'hybrid (linear-attention)' if ck.cfg.hybrid else 'mixture-of-experts'} "
+                         "model, whose compiled decode graphs specchat does not build yet; set compile: false")
             if not compile_in_background:
                 raise BackendError(no_graphs)
             compile = False  # a chat answers on eager passes and says why, as without a compiler
@@ -308,10 +308,12 @@ class TorchBackend(Backend):
         """Logits for rows of final hidden states from forward(..., head=False)."""
         return self.model.logits(states)
 
-    def choose(self, states: Tensor, positions: Sequence[int], sampling: Sampling) -> Tensor:
+    def choose(self, states: Tensor, positions: Sequence[int], sampling: Sampling,
+               allowed: Optional[Tensor] = None) -> Tensor:
         """The tokens `sample(head_logits(states), positions, sampling)` picks, computed more cheaply
-        where the model can (greedy and plain temperature sampling on CPU; see argmax_head.py)."""
-        return self.model.choose(states, positions, sampling)
+        where the model can (greedy and plain temperature sampling on CPU; see argmax_head.py).
+        `allowed`: bool [rows, vocab], a constraint's mask (every other token's logit -inf)."""
+        return self.model.choose(states, positions, sampling, allowed)
 
     def verify_chunk(self, sampling: Sampling) -> int | None:
         """How many verify rows `choose` should take per call (None: all); see Transformer.verify_chunk."""
@@ -377,23 +379,9 @@ class TorchBackend(Backend):
 
     def stream(self, request: Request, sampling: Sampling,
                cancel: threading.Event | None = None) -> Iterator[Event]:
-        prompt = self.checked_prompt(request)
-        reused: list[int] = []
+        from ..constrained import target_only_stream
 
-        def tokens() -> Iterator[int]:
-            state, _, start = self.prefill_with_hidden(prompt, head=False)
-            reused.append(start)
-            pos = len(prompt)  # position of the token being chosen
-            while True:
-                token = int(self.choose(state, [pos], sampling)[0])
-                yield token
-                state, _ = self.forward([token], pos, all_logits=False, head=False)
-                pos += 1
-
-        # every pass is a prefill (as the reference computes it) or a single-token pass
-        return decode_stream(tokens(), prompt_tokens=len(prompt), sampling=sampling, context_length=self._context,
-                             is_eos=self.eos_ids.__contains__, detokenize=self.detokenize, cancel=cancel,
-                             row_exact=True, prefill_start=lambda: reused[0])
+        return target_only_stream(self, self.checked_prompt(request), sampling, cancel, request.constraint)
 
     def close(self) -> None:
         self.model = None

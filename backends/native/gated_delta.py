@@ -173,4 +173,4 @@ def recurrent_layer(cfg: ModelConfig, w: dict) -> RecurrentDecoderLayer:
     eps = cfg.norm_eps
     mixer = GatedDeltaNet(cfg.linear, w["in_proj"], w["conv"], w["A_log"], w["dt_bias"], w["gate_norm"], w["out"], eps)
     return RecurrentDecoderLayer(RMSNorm(w["attn_norm"], eps), mixer, RMSNorm(w["mlp_norm"], eps),
-                                 GatedMLP(w["gate_up"], w["down"]))
+                                 w.get("mlp") or GatedMLP(w["gate_up"], w["down"]))

@@ -170,9 +170,10 @@ class DecoderLayer(nn.Module):
 
 
 def decoder_layer(cfg: ModelConfig, w: dict, zero_centred: bool = False) -> DecoderLayer:
-    """A layer from prepared weights: Linear `qkv`, `o`, `gate_up`, `down`; norm tensors
+    """A layer from prepared weights: Linear `qkv`, `o`, `gate_up`, `down` (or a ready `mlp`: routed
+    experts, moe.py); norm tensors
     `attn_norm`, `mlp_norm` and optionally `q_norm`, `k_norm` (see weights.build_layer)."""
     eps = cfg.norm_eps
     return DecoderLayer(RMSNorm(w["attn_norm"], eps, zero_centred),
                         Attention(cfg, w["qkv"], w["o"], w.get("q_norm"), w.get("k_norm"), zero_centred),
-                        RMSNorm(w["mlp_norm"], eps, zero_centred), GatedMLP(w["gate_up"], w["down"]))
+                        RMSNorm(w["mlp_norm"], eps, zero_centred), w.get("mlp") or GatedMLP(w["gate_up"], w["down"]))

@@ -21,12 +21,13 @@ from torch import Tensor
 from ..base import BackendError
 from ..weight_files import BrokenWeightFile, open_safetensors, safetensors_header, safetensors_index
 from . import argmax_head
-from .config import COMPLETE, ModelConfig, read_hf_config
+from .config import COMPLETE, ModelConfig, MoeShape, read_hf_config
 from .gated_delta import recurrent_layer
 from .int4 import Int4Rows, Matrix, int4_linear
 from .layers import DecoderLayer, decoder_layer
 from .linear import Linear
 from .model import Transformer
+from .moe_weights import MOE_MARKERS, TensorReader, build_moe, is_expert_tensor, moe_layer_names, read_moe_layer
 
 LAYER_KEYS = ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm")
 OPTIONAL_KEYS = ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
@@ -121,7 +122,7 @@ HF_LINEAR_NAMES = {
 # Qwen3-Next stores q|k|v|z and b|a fused, grouped by key head (see `ungroup_qkvz`)
 HF_FUSED_LINEAR = {"qkvz": "linear_attn.in_proj_qkvz.weight", "ba": "linear_attn.in_proj_ba.weight"}
 ZERO_CENTRED_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")  # not the gated norm: it is applied as w
-MOE_MARKERS = ("mlp.experts.", "mlp.gate.weight", "mlp.shared_expert", "mlp.router.")
+DENSE_MLP_KEYS = ("gate", "up", "down")
 
 
 def ungroup_qkvz(qkvz: Tensor, ba: Tensor, shape) -> dict[str, Tensor]:
@@ -142,7 +143,9 @@ def load_hf_dir(path: Path) -> Checkpoint:
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in where) else "model."
     # an MTP head inside the checkpoint is read by backends/native/mtp.py when a profile asks for it
     where = {n: f for n, f in where.items() if not is_mtp_tensor(n, prefix, cfg.n_layers)}
-    refuse_moe(path, where, prefix)
+    if cfg.moe is None:
+        refuse_moe(path, where, prefix)
+    experts = TensorReader({n: f for n, f in where.items() if is_expert_tensor(n)})  # read while building
     vision = [n for n in where if n.startswith(("model.visual.", "visual."))]
     if vision:  # a multimodal checkpoint (Qwen3.5's published ones): specchat chats in text
         print(f"note: {path.name}: the vision tower ({len(vision)} tensors) is not loaded; specchat runs the "
@@ -151,8 +154,9 @@ def load_hf_dir(path: Path) -> Checkpoint:
     tensors: dict[str, Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name, f in where.items():
-        by_file.setdefault(f, []).append(name)
-    with progress(f"loading {path.name}", len(where)) as advance:
+        if not is_expert_tensor(name):
+            by_file.setdefault(f, []).append(name)
+    with progress(f"loading {path.name}", sum(map(len, by_file.values()))) as advance:
         for f, names in by_file.items():
             with open_safetensors(f) as st:
                 for name in names:
@@ -170,15 +174,23 @@ def load_hf_dir(path: Path) -> Checkpoint:
     layers = []
     for i in range(cfg.n_layers):
         p = f"{prefix}layers.{i}."
+        sparse = cfg.is_sparse(i)
         if cfg.is_linear(i):
             fused = p + HF_FUSED_LINEAR["qkvz"] in tensors
-            names = {k: n for k, n in HF_LINEAR_NAMES.items() if not (fused and k in ("qkv", "z", "b", "a"))}
+            names = {k: n for k, n in HF_LINEAR_NAMES.items() if not (fused and k in ("qkv", "z", "b", "a"))
+                     and not (sparse and k in DENSE_MLP_KEYS)}
             layer = {k: take(p + n) for k, n in names.items()}
             if fused:
                 layer |= ungroup_qkvz(take(p + HF_FUSED_LINEAR["qkvz"]), take(p + HF_FUSED_LINEAR["ba"]), cfg.linear)
             _check_linear(path, i, layer, cfg)
         else:
-            layer = {k: take(p + n, k in LAYER_KEYS) for k, n in HF_LAYER_NAMES.items()}
+            layer = {k: take(p + n, k in LAYER_KEYS) for k, n in HF_LAYER_NAMES.items()
+                     if not (sparse and k in DENSE_MLP_KEYS)}
+        if sparse:
+            layer |= read_moe_layer(take, where, experts, p, cfg.moe, cfg.dim, str(path), f"layer {i}")
+        elif moe_layer_names(where, p):
+            raise BackendError(f"{path}: layer {i} has a mixture-of-experts MLP ({moe_layer_names(where, p)[0]}) "
+                               "where config.json places a dense one; the config does not match the weights")
         layer = {k: v for k, v in layer.items() if v is not None}
         if cfg.zero_centred:  # stored w, applied as 1 + w: folded in once here
             layer |= {k: layer[k] + 1.0 for k in ZERO_CENTRED_NORMS if k in layer}
@@ -187,7 +199,8 @@ def load_hf_dir(path: Path) -> Checkpoint:
     embed, norm = take(prefix + "embed_tokens.weight"), take(prefix + "norm.weight")
     if cfg.zero_centred:
         norm = norm + 1.0
-    refuse_unknown(path, set(tensors) - used - {"lm_head.weight"})
+    refuse_unknown(path, set(tensors) - used - {"lm_head.weight"}
+                   | {n for n in experts.where if not n.startswith(f"{prefix}layers.")})
     return Checkpoint(cfg, embed, norm, head, layers, source=str(path))
 
 
@@ -204,12 +217,14 @@ def _check_linear(path: Path, i: int, layer: dict[str, Tensor], cfg: ModelConfig
 
 
 def refuse_moe(path: Path, where: dict, prefix: str) -> None:
-    """A mixture-of-experts MLP is named as such, not as unknown tensors."""
-    moe = sorted(n for n in where if n.startswith(prefix + "layers.") and any(m in n for m in MOE_MARKERS))
-    if moe:
-        layer = moe[0][len(prefix):].split(".")[1]
-        raise BackendError(f"{path}: layer {layer} has a mixture-of-experts MLP ({moe[0]}), which the torch engine "
-                           "does not run yet; use backend: llamacpp (a GGUF of it) or a server (backend: openai)")
+    """Mixture-of-experts tensors in a checkpoint whose config names no experts are named as such."""
+    first = next((n for n in sorted(where) if n.startswith(prefix + "layers.") and any(m in n for m in MOE_MARKERS)),
+                 None)
+    if first is not None:
+        layer = first[len(prefix):].split(".")[1]
+        raise BackendError(f"{path}: layer {layer} has a mixture-of-experts MLP ({first}) but config.json names no "
+                           "experts (n_routed_experts / num_experts / num_local_experts); the config does not match "
+                           "the weights")
 
 
 def is_mtp_tensor(name: str, prefix: str, n_layers: int) -> bool:
@@ -259,24 +274,35 @@ def drafting_head(model: Transformer) -> Linear:
     return cached
 
 
+def build_mlp(layer: dict, dtype: torch.dtype, int4: bool, device: torch.device, dense_copy: bool = False,
+              moe: MoeShape | None = None) -> dict:
+    """A layer's MLP as the layer builders take it: `mlp`, routed experts (moe_weights.build_moe),
+    where the layer has them; else the dense SwiGLU's `gate_up` and `down`."""
+    if "experts" in layer:
+        return {"mlp": build_moe(layer, moe, dtype, int4, device)}
+    return {"gate_up": _linear([layer["gate"], layer["up"]], [None, None], dtype, int4, device, dense_copy),
+            "down": _linear([layer["down"]], [None], dtype, int4, device, dense_copy)}
+
+
 def build_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device: torch.device,
-                dense_copy: bool = False) -> dict:
-    """One decoder layer's tensors (LAYER_KEYS + OPTIONAL_KEYS) as the weights `layers.decoder_layer` takes."""
+                dense_copy: bool = False, moe: MoeShape | None = None) -> dict:
+    """One decoder layer's tensors (LAYER_KEYS + OPTIONAL_KEYS, or a sparse MLP's: moe_weights.py)
+    as the weights `layers.decoder_layer` takes."""
     b = {
         "attn_norm": layer["attn_norm"].float().to(device), "mlp_norm": layer["mlp_norm"].float().to(device),
         "qkv": _linear([layer["q"], layer["k"], layer["v"]],
                        [layer.get("q_bias"), layer.get("k_bias"), layer.get("v_bias")], dtype, int4, device,
                        dense_copy),
         "o": _linear([layer["o"]], [None], dtype, int4, device, dense_copy),
-        "gate_up": _linear([layer["gate"], layer["up"]], [None, None], dtype, int4, device, dense_copy),
-        "down": _linear([layer["down"]], [None], dtype, int4, device, dense_copy),
+        **build_mlp(layer, dtype, int4, device, dense_copy, moe),
     }
     if "q_norm" in layer:
         b["q_norm"], b["k_norm"] = layer["q_norm"].float().to(device), layer["k_norm"].float().to(device)
     return b
 
 
-def build_recurrent_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device: torch.device) -> dict:
+def build_recurrent_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device: torch.device,
+                          moe: MoeShape | None = None) -> dict:
     """A linear-attention layer's tensors (HF_LINEAR_NAMES' keys) as `gated_delta.recurrent_layer`
     takes them: the four input projections as one matmul (rows q|k|v|z|b|a)."""
     def dev(key: str) -> Tensor:
@@ -285,8 +311,7 @@ def build_recurrent_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bo
     return {
         "in_proj": _linear([layer[k] for k in ("qkv", "z", "b", "a")], [None] * 4, dtype, int4, device),
         "out": _linear([layer["out"]], [None], dtype, int4, device),
-        "gate_up": _linear([layer["gate"], layer["up"]], [None, None], dtype, int4, device),
-        "down": _linear([layer["down"]], [None], dtype, int4, device),
+        **build_mlp(layer, dtype, int4, device, moe=moe),
         "conv": dev("conv").reshape(layer["conv"].shape[0], -1), "A_log": dev("A_log"), "dt_bias": dev("dt_bias"),
         "gate_norm": dev("gate_norm"), "attn_norm": dev("attn_norm"), "mlp_norm": dev("mlp_norm"),
     }
@@ -310,8 +335,9 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
     if int4 and (dtype != torch.bfloat16 or device.type != "cpu"):
         raise ValueError("the int4 kernel path runs on CPU with bfloat16 activations")
     dense_copy = int4 and dense_copy_bytes(ck) <= DENSE_COPY_MAX_BYTES
-    layers = [recurrent_layer(ck.cfg, build_recurrent_layer(layer, dtype, int4, device)) if ck.cfg.is_linear(i)
-              else decoder_layer(ck.cfg, build_layer(layer, dtype, int4, device, dense_copy))
+    moe = ck.cfg.moe
+    layers = [recurrent_layer(ck.cfg, build_recurrent_layer(layer, dtype, int4, device, moe)) if ck.cfg.is_linear(i)
+              else decoder_layer(ck.cfg, build_layer(layer, dtype, int4, device, dense_copy, moe))
               for i, layer in enumerate(ck.layers)]
     embed = ck.embed.float().to(device)
     head_weight = ck.head if ck.head is not None else embed

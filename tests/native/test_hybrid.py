@@ -196,8 +196,7 @@ def test_what_the_engine_cannot_run_is_named(tmp_path):
     moe = hybrid_config("qwen3_next", 320)
     moe.mlp_only_layers = [0, 2]  # layers 1 and 3 get experts
     AutoModelForCausalLM.from_config(moe).save_pretrained(str(tmp_path))
-    with pytest.raises(BackendError, match=r"layer 1 has a mixture-of-experts MLP \(model.layers.1.mlp.*does not run"):
-        engine(tmp_path)
+    assert engine(tmp_path).model.cfg.moe.sparse_layers == (1, 3)  # routed experts run (tests/native/test_moe.py)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["layer_types"][0] = "sliding_attention"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
