@@ -49,3 +49,23 @@ def test_run_and_verify_a_llama_server_profile(server_binary, tmp_path):
     assert report["prompts"] == 2 and report["identical"] + report["near_ties"] + report["mismatches"] == 2
     assert all(p["by"] == "tokens" for p in report["prompts_checked"])  # every token named by id, drafts included
     assert tagged_processes() == []  # no llama-server (nor its keeper) outlives specchat
+
+
+def test_verify_repeated_and_under_load_on_the_real_llama_server(server_binary, tmp_path):
+    """The peer the noise-floor checks are for: llama-server with two slots (continuous batching)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "list", "turns": [t]}) for i, t in enumerate(
+        ["Name the days of the week.", "Count from one to ten in words."])))
+    verify = specchat("verify", "-p", "smollm2-llamaserver-ngram", "--prompts", str(prompts), "--max-tokens", "24",
+                      "--repeat", "2", "--concurrency", "2", "--json")
+    assert verify.returncode in (0, 1), verify.stderr
+    report = json.loads(verify.stdout)
+    assert report["reference_runs"] == 2 and 0 <= report["target_reproducible_rate"] <= 1
+    load = report["under_load"]
+    assert load["concurrency"] == 2 and load["replies"] == 2
+    for side in ("reference", "speculative"):
+        assert 0 <= load[side]["changed"] <= 2 and load[side]["loaded_tok_s"] > 0
+    for checked in report["prompts_checked"]:
+        assert checked["reference_runs"] == 2 and set(checked["under_load"]) == {"reference_changed_at",
+                                                                                  "speculative_changed_at"}
+    assert tagged_processes() == []  # every server (both sides, two slots each) is gone
