@@ -8,8 +8,13 @@ that silently means something else is worse than none.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
+import re
+import sys
+import tempfile
 
 from .base import BackendError, Constraint
 
@@ -61,3 +66,51 @@ def gbnf_of(constraint: Constraint, engine: str = "llama.cpp") -> str:
         raise BackendError(f"{constraint_name(constraint)}: {engine} reads GBNF grammars (`root ::= ...`), and "
                            "this is not one (a Lark grammar runs on the torch engine)")
     return constraint.text
+
+
+@contextlib.contextmanager
+def _stderr_into(sink):
+    """llama.cpp writes its grammar parser's complaints straight to fd 2, and its log lines through
+    llama-cpp-python's callback to sys.stderr: catch both in `sink` (a text file)."""
+    sys.stderr.flush()
+    fd, stream = os.dup(2), sys.stderr
+    try:
+        os.dup2(sink.fileno(), 2)
+        sys.stderr = sink
+        yield
+    finally:
+        sys.stderr = stream
+        sink.flush()
+        os.dup2(fd, 2)
+        os.close(fd)
+
+
+def check_gbnf(text: str, constraint: Constraint, vocab=None, engine: str = "llama.cpp") -> None:
+    """Parse `text` with llama.cpp's own grammar parser (against a model's vocabulary, where there is
+    one) and refuse it in one line if it does not parse: llama.cpp would otherwise take a null sampler
+    (llama-cpp-python's server crashes on one)."""
+    import llama_cpp
+
+    with tempfile.TemporaryFile(mode="w+") as sink:
+        with _stderr_into(sink):
+            sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), b"root")
+        sink.seek(0)
+        said = [line.strip() for line in sink.read().splitlines()
+                if line.strip() and line.strip() != "failed to parse grammar" and "::=" not in line]
+    if not sampler:
+        if said:
+            why = said[0].partition("error parsing grammar:")[2].strip() or said[0]
+        elif not re.search(r"^\s*root\s*::=", text, re.M):
+            why = "it has no `root` rule (llama.cpp starts from `root ::= ...`)"
+        else:
+            why = "it does not parse"
+        raise BackendError(f"{constraint_name(constraint)}: {engine} could not parse the grammar: {why}")
+    llama_cpp.llama_sampler_free(sampler)
+
+
+@functools.lru_cache(maxsize=32)
+def checked_gbnf(constraint: Constraint, engine: str) -> str:
+    """gbnf_of, parsed by llama.cpp here first (for a server that takes GBNF and falls over on a bad one)."""
+    text = gbnf_of(constraint, engine)
+    check_gbnf(text, constraint, engine=engine)
+    return text

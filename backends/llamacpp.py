@@ -4,15 +4,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from .base import Backend, BackendError, Constraint, Event, Request, Sampling, decode_stream
 from .cpu import thread_count
-from .gbnf import constraint_name, gbnf_of
+from .gbnf import check_gbnf, gbnf_of
 
 
 _PROBE = r"""
@@ -69,19 +67,6 @@ def without_extra_buffers():
         yield
     finally:
         module.llama_cpp.llama_model_default_params = original
-
-
-@contextlib.contextmanager
-def _stderr_into(sink):
-    """llama.cpp writes its grammar parser's complaints straight to fd 2: catch them in `sink` (a file)."""
-    sys.stderr.flush()
-    fd = os.dup(2)
-    try:
-        os.dup2(sink.fileno(), 2)
-        yield
-    finally:
-        os.dup2(fd, 2)
-        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -179,16 +164,7 @@ class LlamaCppBackend(Backend):
 
         text = gbnf_of(constraint)
         if text not in self._checked_grammars:
-            with tempfile.TemporaryFile(mode="w+") as sink:
-                with _stderr_into(sink):
-                    sampler = llama_cpp.llama_sampler_init_grammar(self._vocab, text.encode("utf-8"), b"root")
-                sink.seek(0)
-                said = [line.strip() for line in sink.read().splitlines() if "error" in line.lower()]
-            if not sampler:
-                why = (said[0].partition("error parsing grammar:")[2].strip() or said[0]) if said else \
-                    "it has no `root` rule, or a rule llama.cpp cannot read"
-                raise BackendError(f"{constraint_name(constraint)}: llama.cpp could not parse the grammar: {why}")
-            llama_cpp.llama_sampler_free(sampler)
+            check_gbnf(text, constraint, self._vocab)
             self._checked_grammars.add(text)
         return llama_cpp.LlamaGrammar.from_string(text)
 

@@ -81,7 +81,7 @@ def test_a_grammar_holds_the_reply_to_its_language(llamacpp):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("grammar, says", [('root ::= foo', "Undefined rule identifier 'foo'"),
-                                           ('start ::= "a"', "no `root` rule")])
+                                           ('start ::= "a"', "it has no `root` rule")])
 def test_a_grammar_llamacpp_cannot_parse_is_one_line_and_the_backend_goes_on(llamacpp, grammar, says):
     with pytest.raises(BackendError, match=f"bad.gbnf: llama.cpp could not parse the grammar: .*{says}"):
         llamacpp.stream(Request(messages=ASK, constraint=Constraint("grammar", grammar, "bad.gbnf")), Sampling())

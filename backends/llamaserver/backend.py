@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from ..base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, BackendError, Event, Request,
-                    Sampling, Step, StreamStats)
+from ..base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, BackendError, Constraint, Event,
+                    Request, Sampling, Step, StreamStats)
+from ..gbnf import schema_object
 from ..openai import OpenAIBackend
 from ..openai.metrics import prometheus_samples
 from .flags import server_args, spec_label
@@ -202,6 +203,14 @@ class LlamaServerBackend(OpenAIBackend):
                 "xtc_probability": 0.0, "seed": sampling.seed, "n_probs": TOP_ALTERNATIVES,
                 "return_tokens": True, "timings_per_token": True, "cache_prompt": True}
 
+    def constraint_fields(self, constraint: Constraint) -> dict:
+        # /completion takes a schema in its own field (llama-server converts it to GBNF itself);
+        # a grammar goes in `grammar` as on the OpenAI endpoint. Its sampler applies either to the
+        # target's choice at every position, the speculative passes' verified ones included.
+        if constraint.kind == "json_schema":
+            return {"json_schema": schema_object(constraint)}
+        return super().constraint_fields(constraint)
+
     def stream(self, request: Request, sampling: Sampling,
                cancel: threading.Event | None = None) -> Iterator[Event]:
         try:
@@ -209,15 +218,19 @@ class LlamaServerBackend(OpenAIBackend):
         except BackendError:
             self._raise_if_stopped()
             raise
-        return self._native_events(prompt, sampling, cancel)
+        body = self.completion_body(prompt, sampling)
+        if request.constraint is not None:
+            body.update(self.constraint_fields(request.constraint))
+        return self._native_events(prompt, body, sampling, cancel, request.constraint)
 
-    def _native_events(self, prompt: list[int], sampling: Sampling,
-                       cancel: Optional[threading.Event]) -> Iterator[Event]:
+    def _native_events(self, prompt: list[int], body: dict, sampling: Sampling, cancel: Optional[threading.Event],
+                       constraint: Optional[Constraint] = None) -> Iterator[Event]:
         before = self._counters()
         reply = Reply(StreamStats(prompt_tokens=len(prompt)))
         if cancel is None or not cancel.is_set():
             try:
-                yield from self._stream_reply(prompt, sampling, cancel, reply)
+                with self._refused_as(constraint):
+                    yield from self._stream_reply(body, sampling, cancel, reply)
             except BackendError:
                 self._raise_if_stopped()  # a server that died says so, not just that the connection broke
                 raise
@@ -230,9 +243,8 @@ class LlamaServerBackend(OpenAIBackend):
         self._apply_counters(summary, before)
         yield summary
 
-    def _stream_reply(self, prompt: list[int], sampling: Sampling, cancel: Optional[threading.Event],
+    def _stream_reply(self, body: dict, sampling: Sampling, cancel: Optional[threading.Event],
                       reply: "Reply") -> Iterator[Step]:
-        body = self.completion_body(prompt, sampling)
         with self.conn.events("/completion", body, cancel, model=self.model, root=True) as payloads:
             held: Optional[Piece] = None  # a token without text: the end-of-sequence one, if the reply ends next
             for data in payloads:

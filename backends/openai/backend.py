@@ -20,6 +20,7 @@ from typing import Iterator, Optional, Sequence
 from ..base import (STOP_CANCELLED, STOP_EOS, STOP_MAX_TOKENS, Backend, BackendError, Event, Request,
                     Sampling, Step, StreamStats)
 from .chunks import parse_chunk
+from .constraints import LLAMA_CPP_PYTHON, LLAMA_SERVER, OPENAI, SGLANG, VLLM, constraint_fields, refusal
 from .http import ServerConnection
 from .metrics import (SpecFigures, VllmCounters, llama_server_figures, sglang_figures, vllm_counters,
                       vllm_figures, vllm_request_figures)
@@ -59,6 +60,7 @@ class OpenAIBackend(Backend):
         self._context = context
         self._prometheus: Optional[bool] = None if metrics in ("auto", "vllm") else False
         self._detokenize_path: Optional[str] = None
+        self._server: Optional[tuple[str, Optional[str]]] = None  # (kind, version), once a constraint asked
 
     def __repr__(self) -> str:
         return f"OpenAIBackend(model={self.model!r}, {self.conn!r})"
@@ -82,6 +84,42 @@ class OpenAIBackend(Backend):
     @property
     def context_length(self) -> int:
         return self._context
+
+    def server_kind(self) -> tuple[str, Optional[str]]:
+        """Which server this is (and its version where it says), for the fields a constraint goes
+        in: the profile's `server.metrics` when it names one, else asked once of the server itself."""
+        if self._server is None:
+            named = {"vllm": VLLM, "sglang": SGLANG, "llama-server": LLAMA_SERVER}.get(self.metrics)
+            self._server = (named, self._probe("/version", "version")) if named == VLLM else (named, None)
+            if named is None:
+                self._server = self._identify()
+        return self._server
+
+    def _identify(self) -> tuple[str, Optional[str]]:
+        if self._probe("/props", "default_generation_settings") is not None:
+            return LLAMA_SERVER, None
+        if self._probe("/get_server_info", "version") or self._probe("/server_info", "version"):
+            return SGLANG, None
+        version = self._probe("/version", "version")
+        if version is not None:
+            return VLLM, version
+        title = self._probe("/openapi.json", "info")
+        if isinstance(title, dict) and "llama.cpp" in str(title.get("title")):
+            return LLAMA_CPP_PYTHON, None
+        return OPENAI, None
+
+    def _probe(self, path: str, key: str):
+        """`key` of the JSON at `path` on the server's root; None where there is no such answer."""
+        try:
+            response = self.conn.request("GET", path, root=True, ok_404=True)
+            data = response.json() if response is not None else None
+        except (BackendError, ValueError):
+            return None
+        return data.get(key) if isinstance(data, dict) else None
+
+    def constraint_fields(self, constraint) -> dict:
+        kind, version = self.server_kind()
+        return constraint_fields(constraint, kind, version=version, where=self.where)
 
     def tokenize_chat(self, messages: Sequence[dict]) -> list[int]:
         """The server's own rendering of the chat, where it offers one (llama-server's
@@ -151,9 +189,12 @@ class OpenAIBackend(Backend):
             raise BackendError(f"{self.where}: a remote server takes chat messages, not prompt token ids")
         if not any(str(m.get("content") or "").strip() for m in request.messages):
             raise BackendError("the prompt is empty; send some text")
-        return self._events(self.request_body(request.messages, sampling), cancel)
+        body = self.request_body(request.messages, sampling)
+        if request.constraint is not None:
+            body.update(self.constraint_fields(request.constraint))
+        return self._events(body, cancel, request.constraint)
 
-    def _events(self, body: dict, cancel: Optional[threading.Event]) -> Iterator[Event]:
+    def _events(self, body: dict, cancel: Optional[threading.Event], constraint=None) -> Iterator[Event]:
         before = self._vllm_counters()
         stats = StreamStats()
         reason, every_id, finished = STOP_MAX_TOKENS, True, False
@@ -162,7 +203,7 @@ class OpenAIBackend(Backend):
         if cancel is not None and cancel.is_set():
             reason = STOP_CANCELLED
         else:
-            with self._replies(body, cancel) as payloads:
+            with self._refused_as(constraint), self._replies(body, cancel) as payloads:
                 for data in payloads:
                     chunk = parse_chunk(data)
                     if chunk.error:
@@ -204,6 +245,16 @@ class OpenAIBackend(Backend):
         else:
             summary.spec_reported = False
         yield summary
+
+    @contextlib.contextmanager
+    def _refused_as(self, constraint):
+        """A constrained request the server answers 400 or 422 is its refusal of the constraint: said so."""
+        try:
+            yield
+        except BackendError as e:
+            if constraint is None or getattr(e, "status", None) not in (400, 422):
+                raise
+            raise refusal(constraint, self.where, self.server_kind()[0], getattr(e, "said", str(e))) from None
 
     @contextlib.contextmanager
     def _replies(self, body: dict, cancel: Optional[threading.Event]) -> Iterator[Iterator[dict]]:
