@@ -217,13 +217,17 @@ _ROWS_PROBED: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakK
 
 
 def model_matmuls_keep_row_bits(model) -> bool:
-    """matmuls_keep_row_bits on the first attention layer's matrices of `model` (a Transformer),
-    probed once per model."""
+    """matmuls_keep_row_bits on the first attention layer's matrices of `model` (a Transformer) and,
+    on a mixture-of-experts model, one expert's and the shared expert's, probed once per model."""
     from .linear import Linear
 
     if model not in _ROWS_PROBED:
         layer = next((m for m in model.layers if hasattr(m, "attention")), None)
-        linears = tuple(m for m in layer.modules() if isinstance(m, Linear)) if layer is not None else ()
+        linears = (tuple(m for m in layer.attention.modules() if isinstance(m, Linear)) if layer is not None else ())
+        mlp = next((m.mlp for m in model.layers if hasattr(m.mlp, "expert_linears")), None)
+        linears += mlp.expert_linears() if mlp is not None else ()
+        dense = next((m.mlp for m in model.layers if not hasattr(m.mlp, "expert_linears")), None)
+        linears += tuple(m for m in dense.modules() if isinstance(m, Linear)) if dense is not None else ()
         _ROWS_PROBED[model] = matmuls_keep_row_bits(linears, model.dtype)
     return _ROWS_PROBED[model]
 

@@ -156,7 +156,8 @@ def _check(t, want: tuple[int, ...], name: str, source: str) -> None:
 
 
 def _matrix(parts: list[Tensor], dtype: torch.dtype, int4: bool, device: torch.device) -> Linear:
-    w = parts[0] if len(parts) == 1 else torch.cat(parts)
+    # a new tensor, not a view of the file's bytes: a matmul's rounding may depend on where its weights lie
+    w = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
     if int4 and Int4Rows.fits(w):  # the experts are most of a MoE model's bytes: 4-bit on CPU
         return int4_linear(w)
     return Linear(w.to(device, dtype).contiguous())

@@ -17,8 +17,9 @@ head are always the target's. Three public layouts (see ../shared/reference, sec
 - mimo      (Xiaomi MiMo): `model.mtp_layers.{i}.{token_layernorm,hidden_layernorm,input_proj,
             final_layernorm}`; concat [hidden, embedding].
 
-The decoder layer inside is read with the main model's layer names; what the engine cannot run
-(a mixture-of-experts MLP, latent attention) is named in a clear error.
+The decoder layer inside is read with the main model's layer names, its MLP dense or routed experts
+as the target's (moe_weights.py: GLM-4.5's and Qwen3-Next / Qwen3.5-MoE's heads); what the engine
+cannot run (latent attention) is named in a clear error.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from .int4 import int4_if_fits, quantize_layer
 from .layers import RMSNorm, decoder_layer, rope_tables
 from .linear import Linear
 from .model import KVCache, Transformer, entries_attention
+from .moe_weights import TensorReader, read_moe_layer
 from .weights import HF_LAYER_NAMES, LAYER_KEYS, build_layer, drafting_head, safetensors_files
 
 DRAFT_VOCAB = "specchat.draft_vocab"  # optional int32 tensor: the token ids the head may propose
@@ -95,8 +97,6 @@ def unsupported_main_model(config: dict) -> str | None:
     """Why the torch engine cannot run this checkpoint's main model, or None."""
     c = config.get("text_config", config)
     why = []
-    if _sparse_layers(c):
-        why.append("mixture-of-experts layers")
     if c.get("kv_lora_rank") or c.get("q_lora_rank"):
         why.append("multi-head latent attention")
     other = sorted({t for t in c.get("layer_types") or [] if t not in ("full_attention", "attention", "linear_attention")})
@@ -105,17 +105,6 @@ def unsupported_main_model(config: dict) -> str | None:
     if not why:
         return None
     return f"{c.get('model_type', 'this model')} uses {' and '.join(why)}, which the torch engine does not run"
-
-
-def _sparse_layers(c: dict) -> list[int]:
-    """The layers a config puts a mixture-of-experts MLP in (Qwen3-MoE / Qwen3-Next place them
-    every `decoder_sparse_step` layers outside `mlp_only_layers`; other families everywhere)."""
-    experts = next((c[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if c.get(k)), 0)
-    if not experts:
-        return []
-    n = c.get("num_hidden_layers") or 0
-    step, dense = c.get("decoder_sparse_step") or 1, set(c.get("mlp_only_layers") or [])
-    return [i for i in range(n) if (i + 1) % step == 0 and i not in dense] if n else [0]
 
 
 def read_mtp(path: Path, cfg: ModelConfig) -> MtpWeights:
@@ -159,24 +148,29 @@ def read_mtp(path: Path, cfg: ModelConfig) -> MtpWeights:
         return files[f].get_tensor(name).float()
 
     layers = []
+    experts = TensorReader(where)
     for i in range(count):
         names = layout.names(i, cfg.n_layers, prefix)
         lp = names["layer"]
         unknown = sorted(n[len(lp):] for n in where if n.startswith(lp))
-        if any(n.startswith("mlp.experts.") or n.startswith("mlp.gate.") for n in unknown):
-            raise BackendError(f"{path}: MTP layer {i} ({layout.models} layout) has a "
-                               "mixture-of-experts MLP, which the torch engine does not run; serve this model "
-                               "with vLLM or SGLang (backend: openai)")
+        sparse = any(n.startswith(("mlp.experts.", "mlp.gate.")) for n in unknown)
+        if sparse and cfg.moe is None:
+            raise BackendError(f"{path}: MTP layer {i} ({layout.models} layout) has a mixture-of-experts MLP but its "
+                               f"target ({cfg.arch}) has no experts; this head belongs to another model")
         if any(n.startswith("self_attn.kv_a_proj") or n.startswith("self_attn.q_a_proj") for n in unknown):
             raise BackendError(f"{path}: MTP layer {i} ({layout.models} layout) uses multi-head "
                                "latent attention, which the torch engine does not run; serve this model with "
                                "vLLM or SGLang (backend: openai)")
         layer = {k: get(names[k]) for k in ("embed_norm", "hidden_norm", "proj", "final_norm")}
         for key, suffix in HF_LAYER_NAMES.items():
+            if sparse and key in ("gate", "up", "down"):
+                continue
             if lp + suffix in where:
                 layer[key] = get(lp + suffix)
             elif key in LAYER_KEYS:
                 raise BackendError(f"{path}: MTP tensor {lp + suffix} missing ({layout.models} layout)")
+        if sparse:  # routed experts, read as the main layers' (moe_weights.py)
+            layer |= read_moe_layer(get, where, experts, lp, cfg.moe, cfg.dim, str(path), f"MTP layer {i}")
         if layout.zero_centred:
             for key in ("embed_norm", "hidden_norm", "final_norm", "attn_norm", "mlp_norm", "q_norm", "k_norm"):
                 if key in layer:
@@ -206,7 +200,8 @@ def _check_shapes(path: Path, i: int, layer: dict[str, Tensor], cfg: ModelConfig
         if tuple(layer[key].shape) != shape:
             raise BackendError(f"{path}: MTP layer {i} tensor '{key}' has shape {tuple(layer[key].shape)}, "
                                f"the target needs {shape} (hidden {d}); this head belongs to another model")
-    if layer["gate"].shape != layer["up"].shape or layer["down"].shape[::-1] != layer["gate"].shape:
+    if "experts" not in layer and (layer["gate"].shape != layer["up"].shape
+                                   or layer["down"].shape[::-1] != layer["gate"].shape):
         raise BackendError(f"{path}: MTP layer {i} MLP shapes do not fit together")
 
 
@@ -234,7 +229,8 @@ class MtpHead:
                 "embed_norm": RMSNorm(layer["embed_norm"].to(dev), eps),
                 "hidden_norm": RMSNorm(layer["hidden_norm"].to(dev), eps),
                 "final_norm": RMSNorm(layer["final_norm"].to(dev), eps),
-                "layer": decoder_layer(self.cfg, build_layer(quantize_layer(body) if int4 else body, dtype, int4, dev)),
+                "layer": decoder_layer(self.cfg, build_layer(quantize_layer(body) if int4 else body, dtype, int4, dev,
+                                                             moe=self.cfg.moe)),
                 "proj": int4_if_fits(proj, dtype, dev) if int4 else Linear(proj.to(dev, dtype).contiguous()),
                 "cache": KVCache(self.cfg, max_len, target.cache_dtype, dev),
             })

@@ -123,18 +123,18 @@ def test_deepseek_head_of_another_model_is_refused(tmp_path):
 
 
 def test_unsupported_main_models_are_named():
-    assert "mixture-of-experts" in unsupported_main_model({"model_type": "deepseek_v3", "n_routed_experts": 256,
-                                                           "kv_lora_rank": 512})
+    assert "latent attention" in unsupported_main_model({"model_type": "deepseek_v3", "n_routed_experts": 256,
+                                                         "kv_lora_rank": 512})
     assert "latent attention" in unsupported_main_model({"model_type": "deepseek_v3", "kv_lora_rank": 512})
     assert "sliding_attention layers" in unsupported_main_model(
         {"model_type": "gemma3", "layer_types": ["sliding_attention", "full_attention"]})
-    # hybrids with linear attention run; Qwen3-Next's MoE only where its layers have experts
+    # hybrids with linear attention run, and routed experts (backends/native/moe.py)
     assert unsupported_main_model({"model_type": "qwen3_next", "num_hidden_layers": 2,
                                    "layer_types": ["linear_attention", "full_attention"]}) is None
     assert unsupported_main_model({"model_type": "qwen3_next", "num_hidden_layers": 2, "num_experts": 8,
                                    "mlp_only_layers": [0, 1]}) is None
-    assert "mixture-of-experts" in unsupported_main_model({"model_type": "qwen3_next", "num_hidden_layers": 2,
-                                                           "num_experts": 8, "mlp_only_layers": [0]})
+    assert unsupported_main_model({"model_type": "qwen3_next", "num_hidden_layers": 2, "num_experts": 8,
+                                   "mlp_only_layers": [0]}) is None
     assert unsupported_main_model({"model_type": "mimo"}) is None
 
 
@@ -145,9 +145,10 @@ def test_builtin_head_of_an_unsupported_model_says_so(tmp_path):
     ckpt = make_hf_checkpoint(tmp_path / "m", "llama", seed=1)
     add_mtp_head(ckpt, "deepseek")
     cfg = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps(cfg | {"n_routed_experts": 8}))
+    (ckpt / "config.json").write_text(json.dumps(cfg | {"kv_lora_rank": 512}))  # DeepSeek-V3's latent attention
     profile = Profile(name="x", model=str(ckpt), speculative={"method": "mtp"})
-    with pytest.raises(BackendError, match=r"MTP head read and valid \(DeepSeek-V3 / GLM-4.5 layout, 1 layer"):
+    with pytest.raises(BackendError, match=r"multi-head latent attention \(`kv_lora_rank`\), which the torch engine "
+                                           "does not run; use backend: llamacpp"):
         load_speculative(profile)
 
 
