@@ -17,14 +17,16 @@ from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import WordCompleter
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 
-from specchat.backends.base import Backend, BackendError, Request, Summary
+from specchat.backends.base import Backend, BackendError, Constraint, Request, Summary
 from specchat import loading, paths, suffix_memory
+from specchat.constraints import ConstraintError
 from specchat.compare import near_tie_margin
 from specchat.context_window import fit_request
 from specchat.conversation import Conversation
 from specchat.history import History, HistoryError
 from specchat.live import Failed, Item, one_line, pump, speedup_line, stats_line
 from specchat.profiles import Profile, ProfileError, load_profiles
+from specchat.session_constraint import COMMANDS as CONSTRAINT_COMMANDS, HELP as CONSTRAINT_HELP, SessionConstraint, label
 from specchat.stdin_text import StdinText
 from specchat.verify import fresh, judge_replies, tie_margin_of, torch_engine_of
 
@@ -36,6 +38,7 @@ COMMANDS = {
     "/save": "/save [PATH]    export the conversation as Markdown",
     "/stats": "/stats          figures of the last reply",
     "/verify": "/verify         re-run the last prompt target-only and print the verdict",
+    **CONSTRAINT_HELP,
     "/help": "/help           this list",
     "/exit": "/exit           leave (Ctrl-D too)",
 }
@@ -44,7 +47,8 @@ COMMANDS = {
 class Repl:
     def __init__(self, profile_name: str, *, loader: Optional[Callable[[Profile], Backend]] = None,
                  input=None, output=None, out: Optional[TextIO] = None, history: History | None | bool = True,
-                 history_file: Optional[str] = None, lines: Optional[Iterator[str]] = None):
+                 history_file: Optional[str] = None, lines: Optional[Iterator[str]] = None,
+                 constraint: Optional[Constraint] = None):
         self.loader = loader or (lambda p: loading.load_backend(p, background=True))
         # a reference of its own never prepares in the background: only the chat's backend switches
         self.reference_loader = loader or loading.load_backend
@@ -54,6 +58,7 @@ class Repl:
         self.ref_profile: Optional[Profile] = None
         self.ref_backend: Optional[Backend] = None
         self.ab = False
+        self.constraints = SessionConstraint(constraint)  # a flag's or /schema's, else the profile's
         self.last: Optional[Summary] = None
         self.last_request: Optional[Request] = None
         if history is True:
@@ -100,6 +105,9 @@ class Repl:
             return " no model loaded: /profile NAME"
         p = self.profile
         bar = f" {p.name} · {p.method_label}" + (" · A/B on" if self.ab else "")
+        constraint = self.constraints.current_or_none(p)
+        if constraint is not None:
+            bar += f" · {label(constraint)}"
         if self.last is not None:
             bar += " │ " + stats_line(self.last, passes=True)
         return bar
@@ -130,6 +138,8 @@ class Repl:
         background = backend.background_status()
         if background:
             self.say(f"[{background}; moved to between replies]")
+        if self.constraints.current_or_none(profile) is not None or getattr(profile, "constraint", None):
+            self.say(f"[{self.constraints.describe(profile)}]")
         return True
 
     def _drop_reference(self) -> None:
@@ -190,7 +200,8 @@ class Repl:
         self.conv.add("user", prompt)
         try:
             request, note = fit_request(self.backend, self.profile, self.conv)
-        except BackendError as e:  # the turn does not fit: it is refused and does not stay
+            request.constraint = self.constraints.current(self.profile)
+        except (BackendError, ConstraintError) as e:  # the turn does not fit: it is refused and does not stay
             self.conv.pop_user()
             self.say(f"error: {e}")
             return
@@ -250,6 +261,11 @@ class Repl:
                 self.say("profiles: " + ", ".join(sorted(ps.profiles)))
             else:
                 self.load(arg)
+        elif name in CONSTRAINT_COMMANDS:
+            try:
+                self.say(f"[{self.constraints.command(name, arg, self.profile)}]")
+            except ConstraintError as e:
+                self.say(f"error: {e}")
         elif name == "/ab":
             self.ab = not self.ab
             self.say(f"[A/B {'on: each reply is followed by the reference run' if self.ab else 'off'}]")
@@ -320,6 +336,6 @@ class Repl:
         return 0
 
 
-def run_repl(profile_name: str) -> int:
+def run_repl(profile_name: str, constraint: Optional[Constraint] = None) -> int:
     load_profiles().get(profile_name)  # a bad name is one line and exit 2, via the CLI
-    return Repl(profile_name).run()
+    return Repl(profile_name, constraint=constraint).run()

@@ -1,5 +1,6 @@
 """The line REPL through prompt-toolkit's pipe input and DummyOutput."""
 import io
+import json
 import os
 import signal
 import threading
@@ -170,3 +171,55 @@ def test_a_turn_that_fails_does_not_stay(profiles):
     spec = ScriptedBackend(["x"], fail_with="the server went away")
     repl, out, rc = run({"spec": spec}, "hello\n/exit\n")
     assert "error: the server went away" in out and repl.conv.messages == []
+
+
+def test_schema_sets_shows_and_clears_the_constraint_every_reply_carries(profiles, tmp_path):
+    schema = tmp_path / "person.json"
+    schema.write_text('{"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}')
+    spec = ScriptedBackend(['{"name": "Ann"}'])
+    lines = f"/schema\n/schema {schema}\nfirst\n/schema\n/schema off\nsecond\n/regex [a-z]+\nthird\n/exit\n"
+    repl, out, rc = run({"spec": spec}, lines)
+    assert rc == 0
+    first, second, third = spec.requests[-3:]
+    assert first.constraint.kind == "json_schema" and first.constraint.origin == str(schema)
+    assert json.loads(first.constraint.text)["required"] == ["name"]
+    assert second.constraint is None
+    assert third.constraint.kind == "regex" and third.constraint.text == "[a-z]+"
+    assert "[no constraint: replies are free]" in out
+    assert "[constraint on: every reply keeps the JSON schema person.json]" in out
+    assert f"[constraint: JSON schema {schema} (set in this session)]" in out
+    assert "[constraint off (JSON schema person.json no longer applies): replies are free]" in out
+    assert "· regex '[a-z]+'" in repl.toolbar()
+
+
+@pytest.mark.parametrize("command, says", [
+    ("/schema {missing}", "error: {missing}: no such JSON schema file"),
+    ("/schema {bad}", "error: {bad}: not valid JSON (line 1, column 2"),
+    ("/regex (", "error: --regex '(': "),
+])
+def test_a_constraint_that_cannot_be_used_is_one_line_and_the_one_before_stays(profiles, tmp_path, command, says):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    paths = {"missing": tmp_path / "none.json", "bad": bad}
+    spec = ScriptedBackend(["fine"])
+    _, out, _ = run({"spec": spec}, f"/regex a+\n{command.format(**paths)}\nhi\n/exit\n")
+    lines = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith(says.format(**paths))
+    assert spec.requests[-1].constraint.text == "a+"
+
+
+def test_a_constraint_given_at_start_is_kept_and_shown(profiles):
+    from specchat.backends.base import Constraint
+
+    spec = ScriptedBackend(["yes"])
+    inp_cm = create_pipe_input()
+    inp = inp_cm.__enter__()
+    inp.send_text("hi\n/exit\n")
+    out = io.StringIO()
+    try:
+        Repl("spec", loader=lambda p: spec, input=inp, output=DummyOutput(), out=out,
+             constraint=Constraint("regex", "yes|no", "--regex 'yes|no'")).run()
+    finally:
+        inp_cm.__exit__(None, None, None)
+    assert spec.requests[-1].constraint.text == "yes|no"
+    assert "[constraint: regex --regex 'yes|no' (set in this session)]" in out.getvalue()

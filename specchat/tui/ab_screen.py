@@ -23,12 +23,13 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, Static
 
 from specchat.backends.base import Backend, BackendError, Summary
-from specchat.compare import IDENTICAL, Verdict, mark_and_colour
+from specchat.compare import IDENTICAL, Verdict
 from specchat.context_window import fit_ab_requests
 from specchat import suffix_memory
 from specchat.live import Failed, Item, LiveStats, memory_note, one_line, pump
 from specchat.loading import sampling_of
 from specchat.profiles import Profile, ProfileError, load_profiles
+from specchat.session_constraint import replies_line
 from specchat.verify import fresh
 from specchat.tui.budget import RenderBudget
 from specchat.tui.ab_pane import ABPane
@@ -74,6 +75,7 @@ class ABScreen(Screen):
         self.left_backend: Optional[Backend] = None  # what the left pane's run on screen ran on
         self.pending_prompt = prompt  # sent before the reference loaded: runs once it has
         self.context_start = 0  # where the conversation's cut lies once the running turn is added
+        self.constraint_line: Optional[str] = None  # whether the run's replies keep their constraint
 
     def compose(self) -> ComposeResult:
         self.spec_profile = self.app.profile
@@ -162,7 +164,8 @@ class ABScreen(Screen):
         parts = [f"A/B  ·  conversation so far: {len(self.app.conv.messages)} messages"]
         note = self.sides.header_note() if self.sides is not None else None
         memory = memory_note(self.ref_backend) if self.ref_backend is not None else None
-        self.query_one("#ab-header", Label).update("  ·  ".join(parts + [n for n in (note, memory) if n]))
+        notes = [n for n in (self.app.constraint_label(), note, memory) if n]  # the constraint: both sides keep it
+        self.query_one("#ab-header", Label).update("  ·  ".join(parts + notes))
 
     @property
     def ready(self) -> bool:
@@ -189,7 +192,8 @@ class ABScreen(Screen):
         try:  # the oldest turns left out if the turn would not fit (the cut is the conversation's once it is added)
             spec_req, ref_req, self.context_start, note = fit_ab_requests(
                 self.spec_backend, self.ref_backend, self.spec_profile, self.ref_profile, self.app.conv, prompt)
-        except BackendError as e:
+            spec_req.constraint = ref_req.constraint = self.app.constraints.current(self.spec_profile)  # both sides
+        except (BackendError, ProfileError) as e:  # a profile's: its constraint file went bad
             self.app.notify(str(e), severity="error", timeout=10)
             return False
         if note:
@@ -310,6 +314,7 @@ class ABScreen(Screen):
     def _judge_thread(self, rid: int, ref: Summary, spec: Summary) -> None:
         try:
             v = self.judge(ref, spec)
+            self.constraint_line = replies_line(self.requests[0].constraint, spec, ref)
             offsets = (None, None)
             if v.kind != IDENTICAL:  # both panes highlighted from where the replies on screen part
                 where = where_replies_part(ref, spec)
@@ -341,17 +346,9 @@ class ABScreen(Screen):
         return self.sides.judge(ref, spec, self.requests, self.run_floor, self.cancel, self.app.between_replies)
 
     def show_verdict(self) -> None:
-        v = self.verdict
         spec, ref = self.panes["spec"].summary, self.panes["ref"].summary
-        mark, colour = mark_and_colour(v)
-        items = [(f"{mark} {self.sides.verdict_line(v, self.run_floor)}", f"bold {colour}".strip())]
-        timing = self.sides.timing_line(spec, ref, self.run_floor)
-        if timing:
-            items.append(f"  │ {timing}")
-        if self.can_choose:
-            items.append(f"\n{self.sides.choice_line(self.using, self.run_floor)} · Esc: back to chat")
-        else:
-            items.append("\nreply added to the conversation · Esc: back to chat")
+        items = self.sides.verdict_items(self.verdict, spec, ref, self.run_floor, self.constraint_line,
+                                         self.using if self.can_choose else None)
         self.query_one("#ab-verdict", Static).update(Content.assemble(*items))
 
     # ------------------------------------------------------------------------ keys

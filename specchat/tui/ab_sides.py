@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from specchat.backends.base import STOP_CANCELLED, Backend, BackendError, Request, Sampling, Summary, run_to_summary
-from specchat.compare import IDENTICAL, Verdict, first_divergence, near_tie_margin
+from specchat.compare import IDENTICAL, Verdict, first_divergence, mark_and_colour, near_tie_margin
 from specchat.live import MIN_TIMED_TOKENS, one_line, speedup_line
 from specchat.loading import load_reference, same_arithmetic
 from specchat.profiles import Profile, ProfileError
@@ -127,6 +127,24 @@ class Sides:
             return (f"reproducible: both runs gave the same {v.compared} {v.by}" if v.complete else
                     f"reproducible for the {v.compared} {v.by} both runs produced (a reply was stopped)")
         return v.line()
+
+    def verdict_items(self, v: Verdict, left: Summary, ref: Summary, floor: bool, constraint_line: Optional[str],
+                      using: Optional[str]) -> list:
+        """The verdict area: the verdict in its colour, the timing, whether both replies keep the
+        constraint (when one is on), and which reply the conversation continues with (`using`: None
+        when the replies are identical and there is nothing to choose)."""
+        mark, colour = mark_and_colour(v)
+        items: list = [(f"{mark} {self.verdict_line(v, floor)}", f"bold {colour}".strip())]
+        timing = self.timing_line(left, ref, floor)
+        if timing:
+            items.append(f"  │ {timing}")
+        if constraint_line:
+            items.append(f"\n{constraint_line}")
+        if using is not None:
+            items.append(f"\n{self.choice_line(using, floor)} · Esc: back to chat")
+        else:
+            items.append("\nreply added to the conversation · Esc: back to chat")
+        return items
 
     @staticmethod
     def choice_line(using: str, floor: bool) -> str:

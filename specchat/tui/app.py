@@ -10,13 +10,15 @@ from typing import Callable, Iterable, Optional
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 
-from specchat.backends.base import Backend, BackendError, Summary
+from specchat.backends.base import Backend, BackendError, Constraint, Summary
 from specchat import availability, loading
 from specchat.availability import Availability
 from specchat.conversation import Conversation
 from specchat.history import History, HistoryError
 from specchat.live import one_line
+from specchat.constraints import ConstraintError
 from specchat.profiles import Profile, ProfileError, ProfileSet, load_profiles
+from specchat.session_constraint import COMMANDS as CONSTRAINT_COMMANDS, SessionConstraint, label
 from specchat.tui.chat_screen import ChatScreen
 from specchat.tui.profile_choice import ProfileCommands, availability_of, picker_rows, profile_line
 
@@ -35,8 +37,9 @@ class SpecChatApp(App):
 
     def __init__(self, profile_name: str, *, loader: Optional[BackendLoader] = None,
                  history: History | None | bool = True, ab_reference: Optional[str] = None,
-                 start_ab: bool = False):
+                 start_ab: bool = False, constraint: Optional[Constraint] = None):
         super().__init__()
+        self.constraints = SessionConstraint(constraint)  # a flag's or /schema's, else the profile's
         self.initial_profile = profile_name
         self.loader: BackendLoader = loader or (lambda p: loading.load_backend(p, progress=self._news,
                                                                                background=True))
@@ -152,6 +155,35 @@ class SpecChatApp(App):
         yield SystemCommand("Toggle token colours", "Accepted drafts vs target tokens (Ctrl+T)",
                             lambda: self.run_action("screen.toggle_origin"))
         yield SystemCommand("New chat", "Start over (Ctrl+N)", lambda: self.run_action("screen.new_chat"))
+        yield SystemCommand("JSON schema", "Every reply JSON valid against a schema file, or off (/schema FILE|off)",
+                            self.action_schema)
+
+    # ---------------------------------------------------------------- constraint
+    def constraint_label(self) -> Optional[str]:
+        """The status line's word on the constraint replies keep (None: none)."""
+        constraint = self.constraints.current_or_none(self.profile)
+        return f"{label(constraint)} on" if constraint is not None else None
+
+    def constraint_command(self, text: str) -> bool:
+        """`/schema FILE|off`, `/regex R|off`, `/grammar FILE|off` typed as a message: run (True), said in a
+        notification; anything else is a message (False)."""
+        name, _, arg = text.strip().partition(" ")
+        if name not in CONSTRAINT_COMMANDS:
+            return False
+        try:
+            self.notify(self.constraints.command(name, arg, self.profile), timeout=8)
+        except ConstraintError as e:
+            self.notify(str(e), severity="error", timeout=10)
+        self._refresh_status()
+        return True
+
+    def action_schema(self) -> None:
+        from specchat.tui.widgets import PathModal
+
+        chosen = self.constraints.current_or_none(self.profile)
+        now = chosen.origin if chosen is not None and chosen.kind == "json_schema" else ""
+        self.push_screen(PathModal("JSON schema file (Enter: set · off: none · Esc: cancel)", now),
+                         lambda path: path is not None and self.constraint_command(f"/schema {path.strip() or 'off'}"))
 
     # ------------------------------------------------------------------- profiles
     def profile_set(self) -> ProfileSet:
@@ -335,17 +367,17 @@ def _check_profile(name: str) -> Profile:
     return load_profiles().get(name)  # raises ProfileError: one line, exit 2 via the CLI
 
 
-def run_chat(profile_name: str) -> int:
+def run_chat(profile_name: str, constraint: Optional[Constraint] = None) -> int:
     _check_profile(profile_name)
-    SpecChatApp(profile_name).run()
+    SpecChatApp(profile_name, constraint=constraint).run()
     return 0
 
 
-def run_ab(spec: str, ref: Optional[str] = None) -> int:
+def run_ab(spec: str, ref: Optional[str] = None, constraint: Optional[Constraint] = None) -> int:
     profile = _check_profile(spec)
     if ref:
         _check_profile(ref)
     else:
         profile.target_only()  # a remote profile needs a named reference: say so before the TUI starts
-    SpecChatApp(spec, ab_reference=ref, start_ab=True).run()
+    SpecChatApp(spec, ab_reference=ref, start_ab=True, constraint=constraint).run()
     return 0

@@ -19,6 +19,7 @@ from specchat.backends.base import BackendError, Request, Summary
 from specchat.context_window import fit_request
 from specchat.live import Failed, Item, LiveStats, format_rate, pump, speculation_figures, stats_line
 from specchat.loading import sampling_of
+from specchat.profiles import ProfileError
 from specchat.tui.budget import RenderBudget
 from specchat.tui.widgets import AssistantMessage, ChatInput, StatusBar, UserMessage, draft_sources, origin_legend
 
@@ -129,6 +130,7 @@ class ChatScreen(Screen):
             return
         p = app.profile
         parts += [(p.name, "bold"), f" · {p.backend} · {p.method_label}"]
+        parts += [(f" · {app.constraint_label()}", "bold #ffaf00")] if app.constraint_label() else []
         if app.background_line:
             parts.append(f" · {app.background_line}")
         per_pass = None
@@ -150,6 +152,9 @@ class ChatScreen(Screen):
     # -------------------------------------------------------------------- generation
     @on(ChatInput.Submitted, "#prompt")
     async def _submitted(self, event: ChatInput.Submitted) -> None:
+        if self.app.constraint_command(event.value):  # /schema FILE|off and its kin: for the next replies
+            event.input.clear()
+            return
         if self.generating:
             self.app.notify("a reply is still streaming: Esc stops it", severity="warning")
             return
@@ -217,7 +222,8 @@ class ChatScreen(Screen):
         app = self.app
         try:
             request, note = fit_request(app.backend, app.profile, app.conv)
-        except BackendError as e:
+            request.constraint = app.constraints.current(app.profile)
+        except (BackendError, ProfileError) as e:  # a profile's: its constraint file went bad
             app.notify(str(e), severity="error", timeout=10)
             return None
         if note:

@@ -15,6 +15,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Markdown, OptionList, Sparkline, Static, TextArea
 from textual.widgets.option_list import Option
 
+from specchat.session_constraint import pretty_json
+
 DRAFT_STYLE = "bold #5fd7ff"  # accepted draft tokens (a model drafter's, or a source that does not say)
 # accepted drafts by who guessed them (Step.source), so a user sees where the free tokens came from
 SOURCE_STYLES = {"lookup": "bold #87d75f", "ngram": "bold #87d75f",  # prompt lookup
@@ -143,8 +145,14 @@ class AssistantMessage(Vertical):
     def text(self) -> str:
         return self.tokens.text
 
+    def markdown(self) -> str:
+        """The reply as shown: one that is a JSON object or array indented in a json block (the
+        reply itself, copied and saved, stays as the model wrote it)."""
+        pretty = pretty_json(self.tokens.text)
+        return f"```json\n{pretty}\n```" if pretty is not None else self.tokens.text
+
     def compose(self) -> ComposeResult:
-        yield Markdown(self.tokens.text, classes="reply-md")
+        yield Markdown(self.markdown(), classes="reply-md")
         yield Static(self.tokens.content(), classes="reply-origin", markup=False)
         yield Label(self.note, classes="reply-note")
 
@@ -167,7 +175,7 @@ class AssistantMessage(Vertical):
             if self._stream is not None:
                 await self._stream.stop()
                 self._stream = None
-            await self.query_one(".reply-md", Markdown).update(self.tokens.text)
+            await self.query_one(".reply-md", Markdown).update(self.markdown())
             self._pending.clear()
         self._apply_mode()
 
@@ -202,7 +210,7 @@ class AssistantMessage(Vertical):
         self.note = note
         if not self.is_attached:
             return  # removed while streaming (new chat): nothing to draw
-        await self.query_one(".reply-md", Markdown).update(self.tokens.text)
+        await self.query_one(".reply-md", Markdown).update(self.markdown())
         if self.is_attached and self.query(".reply-note"):
             self.query_one(".reply-note", Label).update(note)
             self._apply_mode()
