@@ -14,6 +14,7 @@ from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
 import httpx
+from httpx_sse import EventSource, SSEError
 
 from ..base import BackendError
 from .chunks import error_message
@@ -149,7 +150,7 @@ class ServerConnection:
                 if cancel is not None:
                     threading.Thread(target=_close_on_cancel, args=(cancel, finished, response), daemon=True).start()
                 try:
-                    yield EventStream(response)
+                    yield EventStream(response, self.where)
                 finally:
                     finished.set()
         except BackendError:
@@ -197,28 +198,27 @@ def _close_on_cancel(cancel: threading.Event, finished: threading.Event, respons
 
 
 class EventStream:
-    """The JSON payloads of a server-sent event stream; `done` once the server said `[DONE]`."""
+    """The JSON payloads of a server-sent event stream (parsed by httpx-sse); `done` once the server
+    said `[DONE]`. Events that are not a JSON object (keep-alives, other fields) carry nothing we use."""
 
-    def __init__(self, response: httpx.Response):
+    def __init__(self, response: httpx.Response, where: str = "the server"):
         self.response = response
+        self.where = where
         self.done = False
 
     def __iter__(self) -> Iterator[dict]:
-        data: list[str] = []
-        for line in self.response.iter_lines():
-            if line.startswith("data:"):
-                data.append(line[5:].lstrip())
-                if data[-1] == "[DONE]":
+        try:
+            for event in EventSource(self.response).iter_sse():
+                if event.data == "[DONE]":
                     self.done = True
                     return
-                # Servers put one JSON object per data line; dispatch at once rather than wait for the blank line.
                 try:
-                    payload = json.loads("\n".join(data))
+                    payload = json.loads(event.data)
                 except json.JSONDecodeError:
-                    continue  # a payload spread over several data lines: wait for the rest
-                data = []
+                    continue
                 if isinstance(payload, dict):
                     yield payload
-            elif not line.strip():
-                data = []
-            # comments (": ping") and `event:` / `id:` lines carry nothing we use
+        except SSEError:
+            kind = self.response.headers.get("content-type", "") or "no content type"
+            raise BackendError(f"{self.where}: {self.response.request.url} answered a stream request with {kind}, "
+                               "not server-sent events: is it an OpenAI-compatible server?") from None

@@ -122,6 +122,8 @@ class ReplayServer:
                     self.end_headers()
                     self.wfile.flush()
                     time.sleep(5)
+                elif kind == "not-sse":  # a proxy or a non-OpenAI server: a stream request answered as JSON
+                    self._send(200, (RECORDED / "sglang-response.json").read_bytes())
                 elif not body.get("stream"):
                     self._send(200, (RECORDED / f"{kind}-response.json").read_bytes())
                 else:

@@ -160,6 +160,30 @@ def test_a_silent_server_times_out_with_one_line(replay):
     assert "sent nothing for 0.5s" in str(e.value) and "server.timeout_s" in str(e.value)
 
 
+def test_a_stream_answered_without_server_sent_events_is_one_line(replay):
+    backend = OpenAIBackend(replay.base_url("not-sse"), "Qwen/Qwen3-8B")
+    with pytest.raises(BackendError) as e:
+        run_to_summary(backend.stream(Request(messages=CHAT), Sampling(max_tokens=12)))
+    assert "answered a stream request with application/json, not server-sent events" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_events_split_over_data_lines_comments_and_keep_alives_are_read_as_servers_send_them():
+    import httpx
+
+    from specchat.backends.openai.http import EventStream
+
+    body = (b": ping\n\n"  # a keep-alive comment
+            b"event: message\nid: 1\ndata: {\"a\":\ndata: 1}\n\n"  # one payload over two data lines
+            b"data: not json\n\n"  # nothing we use
+            b"data: {\"b\": 2}\r\n\r\n"  # CRLF line ends
+            b"data: [DONE]\n\ndata: {\"after\": 3}\n\n")
+    response = httpx.Response(200, headers={"content-type": "text/event-stream; charset=utf-8"}, content=body,
+                              request=httpx.Request("POST", "http://127.0.0.1/v1/chat/completions"))
+    stream = EventStream(response)
+    assert list(stream) == [{"a": 1}, {"b": 2}] and stream.done
+
+
 def test_a_model_the_server_does_not_serve_is_named(replay):
     backend = OpenAIBackend(replay.base_url("vllm"), "Qwen/Qwen3-80B")
     with pytest.raises(BackendError, match="has no model 'Qwen/Qwen3-80B' \\(HTTP 404: The model"):
