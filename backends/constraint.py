@@ -21,6 +21,7 @@ from collections import OrderedDict
 from functools import lru_cache
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,7 +31,6 @@ from .base import BackendError, Constraint
 # whitespace (flexible whitespace lets a small model indent forever), and every reply stays
 # readable. A schema may still choose otherwise through llguidance's "x-guidance" key.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def _one_line(message: str, limit: int = 300) -> str:
@@ -81,7 +81,8 @@ class TokenMatcher:
         """bool [vocab]: the tokens that may come next; None where none may (a dead end)."""
         self.ll.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
         self._check()
-        mask = ((self._bits[:, None] >> _SHIFTS) & 1).flatten()[:self.vocab].bool()
+        bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")[:self.vocab]
+        mask = torch.from_numpy(bits.view(np.bool_))
         return mask if bool(mask.any()) else None
 
     def advance(self, tokens: Sequence[int]) -> int:

@@ -66,6 +66,9 @@ class TransformersBackend(Backend):
 
     def stream(self, request: Request, sampling: Sampling,
                cancel: threading.Event | None = None) -> Iterator[Event]:
+        if request.constraint is not None:
+            raise BackendError("the transformers reference decodes without constraints; leave out --transformers "
+                               "when a JSON schema, regex or grammar is on")
         prompt = self.checked_prompt(request)
 
         @torch.inference_mode()

@@ -78,16 +78,22 @@ class ArgmaxHead:
             # specchat's kernel sums a row's blocks in float32 (one fma a block) and scales once
             self.own_gamma = (w.shape[1] // 32 + 2) * torch.finfo(torch.float32).eps
 
-    def choose(self, states: Tensor, positions: Sequence[int], s: Sampling) -> Tensor:
+    def choose(self, states: Tensor, positions: Sequence[int], s: Sampling, allowed: Tensor | None = None) -> Tensor:
         """The token `sampling.sample` picks from the float32 logits (`exact`), for greedy decoding
         (their argmax) or temperature sampling without top-k / top-p (argmax of logits / T plus the
-        position-keyed noise): only tokens whose score could still be the best are computed."""
+        position-keyed noise): only tokens whose score could still be the best are computed.
+        `allowed`: bool [rows, vocab], the only tokens each row may choose (a constraint's mask);
+        every row has at least one."""
         x = states.float()
-        if s.greedy and self.tiles is not None:  # every step in one call of specchat's kernel
+        if s.greedy and self.tiles is not None and allowed is None:  # every step in one call of specchat's kernel
             return torch.ops.specchat.head_choose(x, self.tiles, self.scale32, self.norms, self.weight, self.gamma,
                                                   self.own_gamma, _SLACK, _SCORE_SLACK)
         approx, bound = self._approx(x)
         high, low = approx + bound, approx - bound  # each token's logit lies in between
+        if allowed is not None:  # a forbidden token is never a candidate: -inf at both ends
+            forbidden = ~allowed
+            high.masked_fill_(forbidden, -torch.inf)
+            low.masked_fill_(forbidden, -torch.inf)
         noise = None
         if not s.greedy:  # scores are logits / T + noise: the same shift for both ends
             noise = sampler.gumbel_noise(s.seed, positions, approx.shape[1], x.device)

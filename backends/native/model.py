@@ -315,13 +315,17 @@ class Transformer(nn.Module):
         """float32 logits [K, vocab] for final hidden states [K, dim] (after the norm)."""
         return self.head(states.to(self.head_dtype)).float()
 
-    def choose(self, states: Tensor, positions: Sequence[int], s: Sampling) -> Tensor:
+    def choose(self, states: Tensor, positions: Sequence[int], s: Sampling, allowed: Tensor | None = None) -> Tensor:
         """The sampler's token for each row of final hidden states: `sample(logits(states))`, through
         the cheaper `ArgmaxHead` where the choice is an argmax over every token (greedy, or
-        temperature sampling without top-k / top-p)."""
+        temperature sampling without top-k / top-p). `allowed`: bool [rows, vocab], a constraint's
+        mask: every other token's logit is -inf before any argmax, top-k or top-p."""
         if self.argmax_head is not None and sampler.argmax_over_vocabulary(s):
-            return self.argmax_head.choose(states, positions, s)
-        return sampler.sample(self.logits(states), positions, s)
+            return self.argmax_head.choose(states, positions, s, allowed)
+        logits = self.logits(states)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        return sampler.sample(logits, positions, s)
 
     def verify_chunk(self, s: Sampling) -> int | None:
         """How many rows of a verify block `choose` should take per call (None: all at once). The

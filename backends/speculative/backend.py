@@ -101,7 +101,7 @@ class SpeculativeBackend(Backend):
                cancel: threading.Event | None = None) -> Iterator[Event]:
         prompt = self.checked_prompt(request)
         return speculative_stream(self.target, self.drafter, prompt, sampling, self.depth, self.acceptance, cancel,
-                                  self.strict, DraftGate() if self.adaptive else None)
+                                  self.strict, DraftGate() if self.adaptive else None, request.constraint)
 
     def prepare_in_background(self) -> None:
         self.target.prepare_in_background()

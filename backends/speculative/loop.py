@@ -19,8 +19,9 @@ from typing import Iterator, Optional, Protocol, Sequence
 
 import torch
 
-from ..base import (STOP_CANCELLED, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Event, Sampling, Step,
-                    StreamStats)
+from ..base import (STOP_CANCELLED, STOP_CONSTRAINT, STOP_CONTEXT_FULL, STOP_EOS, STOP_MAX_TOKENS, Constraint, Event,
+                    Sampling, Step, StreamStats)
+from ..constrained import RowMasks, masked_probs, target_matcher
 from ..detok import IncrementalDetokenizer
 from ..native.sampling import probs
 from .acceptance import accept_exact, accept_rejection
@@ -106,8 +107,10 @@ class Target(Protocol):
 
     def head_logits(self, states: torch.Tensor) -> torch.Tensor: ...
 
-    def choose(self, states: torch.Tensor, positions: Sequence[int], sampling: Sampling) -> torch.Tensor:
-        """sample(head_logits(states), positions, sampling), as cheaply as the engine can."""
+    def choose(self, states: torch.Tensor, positions: Sequence[int], sampling: Sampling,
+               allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """sample(head_logits(states), positions, sampling), as cheaply as the engine can; `allowed`
+        (bool [rows, vocab]): a constraint's mask, every other token's logit -inf first."""
 
     def truncate(self, length: int) -> None: ...
 
@@ -121,19 +124,28 @@ class Target(Protocol):
 
 
 def target_choices(target: Target, states: torch.Tensor, draft: Sequence[int], positions: Sequence[int],
-                   sampling: Sampling) -> list[int]:
+                   sampling: Sampling, allowed: Optional[torch.Tensor] = None) -> list[int]:
     """The target's own token at each block position, as far as `accept_exact` will look: the LM
     head (a full-vocabulary matmul, the largest single cost of a verify row on CPU) runs on
     `target.verify_chunk(sampling)` rows at a time and stops after the first chunk holding a
-    rejected draft."""
+    rejected draft. `allowed`: each row's constraint mask (RowMasks), or None."""
     chunk = target.verify_chunk(sampling) or len(positions)
     chosen: list[int] = []
     for lo in range(0, len(positions), chunk):
         hi = lo + chunk
-        chosen += target.choose(states[lo:hi], positions[lo:hi], sampling).tolist()
+        chosen += choose(target, states[lo:hi], positions[lo:hi], sampling,
+                         None if allowed is None else allowed[lo:hi]).tolist()
         if any(a != b for a, b in zip(draft[lo:hi], chosen[lo:hi])):
             break
     return chosen
+
+
+def choose(target: Target, states: torch.Tensor, positions: Sequence[int], sampling: Sampling,
+           allowed: Optional[torch.Tensor]) -> torch.Tensor:
+    """target.choose, with the constraint's mask only where there is one."""
+    if allowed is None:
+        return target.choose(states, positions, sampling)
+    return target.choose(states, positions, sampling, allowed)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -142,10 +154,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], sampling: Sampling, depth: int,
                        acceptance: str = "exact", cancel: Optional[threading.Event] = None,
-                       strict: bool = False, gate: Optional[DraftGate] = None) -> Iterator[Event]:
+                       strict: bool = False, gate: Optional[DraftGate] = None,
+                       constraint: Optional[Constraint] = None) -> Iterator[Event]:
     """`strict`: verify blocks with the arithmetic of single-token decoding, row by row
     (the engine's row-exact passes), so that not even a floating-point near-tie can flip a token.
-    `gate`: draft from a source only while its passes are faster than plain ones (gate.py)."""
+    `gate`: draft from a source only while its passes are faster than plain ones (gate.py).
+    `constraint`: every token the target chooses, in every row, keeps it (constrained.py): each
+    row gets the mask of its own prefix, and the matcher rolls back with the cache."""
     depth = drafter.plan_depth(depth)
     detok = IncrementalDetokenizer(target.detokenize)
     layers = drafter.hidden_layers
@@ -155,13 +170,20 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
     start = target.restart_point(min(common_prefix(target.cached, prompt), len(prompt) - 1))
     if layers:
         start = min(start, drafter.reusable(prompt))
+    matcher = target_matcher(target, constraint) if constraint is not None else None
     stats = StreamStats(prompt_tokens=len(prompt), prefill_start=start)
     if cancel is not None and cancel.is_set():  # as target-only decoding: nothing is run
         yield stats.finish(STOP_CANCELLED, "")
         return
 
     state, hidden = target.forward(prompt[start:], start, layers, all_logits=False, head=False)
-    first = int(target.choose(state[-1:], [len(prompt)], sampling)[0])
+    masks = RowMasks(matcher, [], target.eos_ids) if matcher is not None else None
+    if masks is not None and masks.dead_end:
+        yield stats.finish(STOP_CONSTRAINT, "")
+        return
+    first = int(choose(target, state[-1:], [len(prompt)], sampling, masks and masks.allowed)[0])
+    if masks is not None:
+        masks.settle(0, first, target.eos_ids)
     tokens = list(prompt) + [first]
     drafter.start(prompt, hidden, sampling, start)
 
@@ -203,18 +225,28 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
         started = time.perf_counter()
         draft = drafter.propose(tokens, k) if k else Draft([])
         d = draft.tokens[:k]
+        masks = RowMasks(matcher, d, target.eos_ids) if matcher is not None else None
+        if masks is not None:
+            if masks.dead_end:
+                reason = STOP_CONSTRAINT
+                break
+            d = masks.draft
         states, hidden = target.forward([tokens[-1]] + d, n - 1, layers, row_exact=strict, head=False)
         positions = list(range(n, n + len(d) + 1))
         if use_rejection and draft.q is not None and d:
-            p = probs(target.head_logits(states), sampling)
+            p = (probs(target.head_logits(states), sampling) if masks is None
+                 else masked_probs(target, states, masks.allowed, sampling))
             u = torch.stack([torch.rand((), generator=keyed_generator(sampling.seed, pos, "accept"))
                              for pos in positions[:-1]])
             verdict = accept_rejection(d, p, draft.q[:len(d)], u,
                                        lambda dist, i: _sample_dist(dist, sampling.seed, positions[i]))
         else:
-            verdict = accept_exact(d, target_choices(target, states, d, positions, sampling))
+            verdict = accept_exact(d, target_choices(target, states, d, positions, sampling,
+                                                     masks and masks.allowed))
         new = verdict.tokens(d)
         target.truncate(n + verdict.accepted)
+        if masks is not None:
+            masks.settle(verdict.accepted, verdict.token, target.eos_ids)
         tokens.extend(new)
         drafter.commit(tokens, {layer: h[:verdict.accepted + 1] for layer, h in hidden.items()})
         source = (draft.source or drafter.name) if d else ""
