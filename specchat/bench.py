@@ -130,7 +130,10 @@ def warm_up(backend: Backend, profile: Profile) -> None:
 
 
 def request_for(profile: Profile, item: PromptItem) -> Request:
-    return Request(messages=messages_for(profile, [{"role": "user", "content": item.first}]))
+    from specchat.constraints import constraint_for
+
+    return Request(messages=messages_for(profile, [{"role": "user", "content": item.first}]),
+                   constraint=constraint_for(profile, item))
 
 
 def run_one(backend: Backend, profile: Profile, item: PromptItem) -> Run:

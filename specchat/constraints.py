@@ -53,27 +53,29 @@ def _check_schema(text: str, origin: str) -> None:
 
 def load_constraint(kind: str, value: str, base: Path | None = None, origin: str | None = None) -> Constraint:
     """The constraint of this kind: for json_schema and grammar `value` is a file (relative paths
-    from `base`, else the working folder), for regex the expression itself. Checked now, with the
-    grammar library too (an unsupported schema keyword, a regex or grammar that does not parse),
-    so a bad one stops the command before a model loads. `origin`: how messages name it (default:
-    the file, or `--regex`)."""
-    from specchat.backends.constraint import compile_grammar
-
+    from `base`, else the working folder), for regex the expression itself. Checked now (see
+    `checked_constraint`), so a bad one stops the command before a model loads. `origin`: how
+    messages name it (default: the file, or `--regex`)."""
     if kind not in FLAGS:
         raise ConstraintError(f"unknown constraint kind {kind!r}; expected json_schema, regex or grammar")
     if kind == "regex":
-        text, origin = value, origin or f"--regex {value!r}"
-        if not value:
-            raise ConstraintError(f"{origin}: the regular expression is empty")
-    else:
-        path = Path(value).expanduser()
-        if base is not None and not path.is_absolute():
-            path = base / path
-        text, origin = _read(path, kind), origin or str(path)
-        if kind == "json_schema":
-            _check_schema(text, origin)
-        elif not text.strip():
-            raise ConstraintError(f"{origin}: the grammar file is empty")
+        return checked_constraint(kind, value, origin or f"--regex {value!r}")
+    path = Path(value).expanduser()
+    if base is not None and not path.is_absolute():
+        path = base / path
+    return checked_constraint(kind, _read(path, kind), origin or str(path))
+
+
+def checked_constraint(kind: str, text: str, origin: str) -> Constraint:
+    """A constraint from its text, checked: a JSON schema must be valid JSON and a valid schema (by
+    jsonschema), and every kind must compile with the grammar library (an unsupported schema
+    keyword, a regex or grammar that does not parse); ConstraintError (one line naming `origin`)."""
+    from specchat.backends.constraint import compile_grammar
+
+    if not text.strip():
+        raise ConstraintError(f"{origin}: empty; expected a {'regular expression' if kind == 'regex' else kind.replace('_', ' ')}")
+    if kind == "json_schema":
+        _check_schema(text, origin)
     constraint = Constraint(kind, text, origin)
     try:
         compile_grammar(constraint)
@@ -82,28 +84,48 @@ def load_constraint(kind: str, value: str, base: Path | None = None, origin: str
     return constraint
 
 
-def from_args(args, profile=None) -> Constraint | None:
-    """The constraint a command's flags ask for, else the profile's `constraint:` section, else None."""
-    given = [(kind, getattr(args, kind, None)) for kind in FLAGS if getattr(args, kind, None) is not None]
-    if len(given) > 1:
-        raise ConstraintError(f"{' and '.join(FLAGS[k] for k, _ in given)}: give one constraint, not several")
-    if given:
-        return load_constraint(*given[0])
-    return from_profile(profile) if profile is not None else None
-
-
 def from_profile(profile) -> Constraint | None:
     """A profile's `constraint:` section (files relative to the profile's own folder)."""
     section = getattr(profile, "constraint", None)
     if section is None:
         return None
     kind, value = section.chosen
-    where = f"profile '{profile.name}': constraint.{kind}"
-    origin = f"{where} ({value!r})" if kind == "regex" else None
-    try:
-        return load_constraint(kind, value, profile.base_dir, origin)
-    except ConstraintError as e:
-        raise ConstraintError(f"{where}: {e}" if kind != "regex" else str(e)) from None
+    origin = f"profile '{profile.name}': constraint.regex {value!r}" if kind == "regex" else None
+    return load_constraint(kind, value, profile.base_dir, origin)
+
+
+def constraint_of(profile) -> Constraint | None:
+    """The constraint every reply of this profile keeps (its `constraint:` section, which the
+    command-line flags set), or None."""
+    return from_profile(profile)
+
+
+def constraint_for(profile, item=None) -> Constraint | None:
+    """The constraint of one prompt's replies: the prompt's own (a `schema` in its record), else the
+    profile's. (A command-line constraint replaces the prompts' own: see `flag_settings`.)"""
+    own = getattr(item, "constraint", None)
+    return own if own is not None else constraint_of(profile)
+
+
+def flag_settings(args) -> dict:
+    """The profile override for a command's --json-schema / --regex / --grammar (checked now: a bad
+    one is one line naming it, before any model loads), or {} where none was given."""
+    given = [(kind, getattr(args, kind, None)) for kind in FLAGS if getattr(args, kind, None) is not None]
+    if not given:
+        return {}
+    if len(given) > 1:
+        raise ConstraintError(f"{' and '.join(FLAGS[k] for k, _ in given)}: give one constraint, not several")
+    kind, value = given[0]
+    load_constraint(kind, value)
+    if kind != "regex":  # the profile's own paths are relative to its folder; a flag's to the working one
+        value = str(Path(value).expanduser().absolute())
+    return {"constraint": {kind: value}}
+
+
+def flag_constraint(args) -> Constraint | None:
+    """The constraint a command's --json-schema / --regex / --grammar name (checked), or None."""
+    given = [(kind, getattr(args, kind, None)) for kind in FLAGS if getattr(args, kind, None) is not None]
+    return load_constraint(*given[0]) if given else None
 
 
 def add_constraint_flags(p) -> None:
@@ -148,3 +170,34 @@ def _grammar_problem(constraint: Constraint, text: str) -> str | None:
     from specchat.backends.constraint import text_problem
 
     return text_problem(constraint, text)
+
+
+def summary_problem(constraint: Constraint, summary) -> str | None:
+    """What is wrong with a finished reply (a Summary) under its constraint, with why it ended
+    where it ended (None: it keeps the constraint)."""
+    from specchat.backends.base import STOP_CONSTRAINT, STOP_MAX_TOKENS
+
+    problem = reply_problem(constraint, summary.text)
+    if problem is None:
+        return None
+    if summary.stop_reason == STOP_MAX_TOKENS:
+        problem += f" (the reply was cut at max_tokens, {summary.tokens} tokens: raise --max-tokens)"
+    elif summary.stop_reason == STOP_CONSTRAINT:
+        problem += " (the constraint left no token to continue with)"
+    return problem
+
+
+def replies_valid(checks) -> dict | None:
+    """For `specchat verify`: whether every reply (speculative and reference) keeps its prompt's
+    constraint; None where no check had one. {"replies", "valid", "invalid": [{id, reply, problem}]}."""
+    rows = []
+    for check in checks:
+        constraint = check.request.constraint if check.request is not None else None
+        if constraint is None:
+            continue
+        for side, summary in (("speculative", check.speculative), ("reference", check.reference)):
+            rows.append({"id": check.label, "reply": side, "problem": summary_problem(constraint, summary)})
+    if not rows:
+        return None
+    invalid = [r for r in rows if r["problem"]]
+    return {"replies": len(rows), "valid": len(rows) - len(invalid), "invalid": invalid}

@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
+from specchat.backends.base import Constraint
 from specchat.profiles import ProfileError
 
 # Spec-Bench reports the eight MT-Bench categories as one subtask.
@@ -17,6 +19,9 @@ class PromptItem:
     turns: list[str]
     category: str = ""
     meta: dict = field(default_factory=dict)
+    # the JSON schema this prompt's replies keep (a record's `schema`: a file beside the prompt file, or
+    # the schema itself), unless the command gives one for all
+    constraint: Optional[Constraint] = None
 
     @property
     def first(self) -> str:
@@ -57,6 +62,7 @@ def load_prompts(path: str | Path, limit: int | None = None, categories: list[st
                 raise ProfileError(f"{path}:{n}: not valid JSON ({e.msg})") from None
             if item is None:
                 raise ProfileError(f"{path}:{n}: expected `turns`, `instruction` or `prompt` in each record")
+            item.constraint = _schema_of(json.loads(line).get("schema"), path, n)
             items.append(item)
     else:
         items = [PromptItem(str(n), [line]) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
@@ -65,6 +71,22 @@ def load_prompts(path: str | Path, limit: int | None = None, categories: list[st
     if limit:
         items = _spread(items, limit)
     return items
+
+
+def _schema_of(schema, path: Path, n: int) -> Optional[Constraint]:
+    """A record's `schema`: a JSON schema file (relative to the prompt file's folder) or the schema."""
+    from specchat.constraints import ConstraintError, checked_constraint, load_constraint
+
+    if schema is None:
+        return None
+    if isinstance(schema, str):
+        try:
+            return load_constraint("json_schema", schema, path.parent)
+        except ConstraintError as e:
+            raise ConstraintError(f"{path}:{n}: schema: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ProfileError(f"{path}:{n}: schema: expected a JSON schema file's path or a schema object")
+    return checked_constraint("json_schema", json.dumps(schema), f"{path}:{n}: schema")
 
 
 def _spread(items: list[PromptItem], limit: int) -> list[PromptItem]:

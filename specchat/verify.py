@@ -267,10 +267,12 @@ def check_conversation(spec: Backend, reference: Backend, profile, item: PromptI
     what was left out (None: nothing). A suffix drafter's memory learns each speculative reply, as
     in the chat, so that later prompts are checked with drafts from earlier replies too."""
     from specchat import suffix_memory
+    from specchat.constraints import constraint_for
     from specchat.context_window import fit_window
     from specchat.loading import messages_for
 
     system = messages_for(profile, [], None)
+    constraint = constraint_for(profile, item)
     context = min(spec.context_length, reference.context_length)
     history: list[dict] = []
     start = 0
@@ -279,7 +281,7 @@ def check_conversation(spec: Backend, reference: Backend, profile, item: PromptI
         window = fit_window(lambda msgs: len(spec.tokenize_chat(msgs)), system, history, start, context,
                             sampling.max_tokens, profile.context_policy)
         start = window.start
-        request = Request(messages=system + history[start:])
+        request = Request(messages=system + history[start:], constraint=constraint)
         ref, out, verdict = check_prompt(spec, reference, request, sampling, repeat, own)
         suffix_memory.remember(spec, None, None, out.token_ids)
         yield PromptCheck(item, ref, out, verdict, turn, repeat, request), window.note(context)

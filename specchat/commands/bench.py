@@ -6,6 +6,7 @@ import json
 from specchat import help_text
 from specchat.commands.common import (EXIT_OK, add_prompt_flags, add_sampling_flags, count, overridden,
                                       prompt_set, run_line)
+from specchat.constraints import add_constraint_flags
 from specchat.profiles import DEFAULT_PROFILE, get_profile
 
 
@@ -57,4 +58,5 @@ def add_parser(sub) -> None:
                    help="server profiles: then every prompt again with C in flight at once: throughput at C, and "
                         "which replies changed under load (a llama-server specchat starts gets C slots)")
     p.add_argument("--json", action="store_true")
+    add_constraint_flags(p)
     p.set_defaults(func=cmd_bench)

@@ -21,7 +21,10 @@ def overridden(profile, args):
     """The profile with this command's flags applied (sampling flags and --set KEY=VALUE)."""
     import yaml
 
+    from specchat.constraints import flag_settings
+
     settings = {f"sampling.{k}": getattr(args, k, None) for k in ("temperature", "top_p", "top_k", "seed", "max_tokens")}
+    settings.update(flag_settings(args))
     for item in getattr(args, "set", None) or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -60,7 +63,11 @@ def prompt_set(args):
     from specchat.prompts import PromptItem, load_prompts
 
     if args.prompts:
-        return load_prompts(args.prompts, args.limit, args.category)
+        items = load_prompts(args.prompts, args.limit, args.category)
+        if any(getattr(args, kind, None) is not None for kind in ("json_schema", "regex", "grammar")):
+            for item in items:  # the command line's constraint replaces the prompts' own
+                item.constraint = None
+        return items
     return [PromptItem("1", ["Explain speculative decoding in three sentences."]),
             PromptItem("2", ["Write a haiku about a fast computer."])]
 

@@ -9,11 +9,13 @@ from typing import Optional
 from specchat import help_text
 from specchat.backends.base import BackendError, Request, Summary
 from specchat.commands.common import EXIT_OK, EXIT_RUNTIME, UsageError, add_sampling_flags, err, overridden
+from specchat.constraints import add_constraint_flags
 from specchat.live import background_note, stats_line
 from specchat.profiles import get_profile
 
 
 def cmd_run(args) -> int:
+    from specchat.constraints import constraint_of
     from specchat.loading import load_backend, messages_for, sampling_of
     from specchat.stdin_text import StdinText
 
@@ -22,7 +24,8 @@ def cmd_run(args) -> int:
         raise UsageError("empty prompt: pass it as an argument or on stdin")
     profile = overridden(get_profile(args.profile), args)
     backend = load_backend(profile, background=True, start_background=False)  # started after the reply
-    request = Request(messages=messages_for(profile, [{"role": "user", "content": prompt}], args.system))
+    request = Request(messages=messages_for(profile, [{"role": "user", "content": prompt}], args.system),
+                      constraint=constraint_of(profile))
     cancel = threading.Event()
     summary: Optional[Summary] = None
     try:
@@ -71,4 +74,5 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON summary instead of the text")
     p.add_argument("--stats", action="store_true", help="print a stats line on stderr")
     add_sampling_flags(p)
+    add_constraint_flags(p)
     p.set_defaults(func=cmd_run)

@@ -6,6 +6,7 @@ import json
 from specchat import help_text
 from specchat.commands.common import (EXIT_OK, EXIT_RUNTIME, UsageError, add_prompt_flags, add_sampling_flags,
                                       count, overridden, prompt_set)
+from specchat.constraints import add_constraint_flags
 from specchat.profiles import get_profile
 
 
@@ -15,6 +16,7 @@ def cmd_verify(args) -> int:
 
     from specchat import under_load
     from specchat.compare import mark_and_colour
+    from specchat.constraints import replies_valid
     from specchat.live import peak_rss_bytes, speculation_note
     from specchat.loading import load_backend, load_reference, same_arithmetic, sampling_of
     from specchat.verify import check_conversation, summarize
@@ -66,6 +68,8 @@ def cmd_verify(args) -> int:
             if backend is not None:
                 backend.close()
     totals = summarize(checks) | ({"under_load": loaded} if loaded else {})
+    valid = replies_valid(checks)  # None: no constraint
+    totals["constraint"] = valid
     strict = getattr(spec, "strict", None)  # None: a server or llama.cpp verifies its own way
     if args.json:
         print(json.dumps({"profile": spec_profile.name, "reference": args.reference or f"{spec_profile.name} (target-only)",
@@ -92,7 +96,12 @@ def cmd_verify(args) -> int:
                                         " (the others are not judged: the target itself does not reproduce them)"))
         if loaded:
             print("\n".join(under_load.report(loaded, checks)))
-    return EXIT_RUNTIME if totals["mismatches"] else EXIT_OK
+        if valid is not None:
+            for bad in valid["invalid"]:
+                print(f"  invalid: {bad['id']} {bad['reply']} reply {bad['problem']}")
+            print(f"constraint: {valid['valid']} of {valid['replies']} replies valid (speculative and reference)"
+                  + ("" if not valid["invalid"] else f"; {len(valid['invalid'])} INVALID: a failure"))
+    return EXIT_RUNTIME if totals["mismatches"] or (valid and valid["invalid"]) else EXIT_OK
 
 
 def add_parser(sub) -> None:
@@ -110,4 +119,5 @@ def add_parser(sub) -> None:
                         "changed under load (a llama-server specchat starts gets C slots)")
     p.add_argument("--json", action="store_true")
     add_sampling_flags(p)
+    add_constraint_flags(p)
     p.set_defaults(func=cmd_verify)
