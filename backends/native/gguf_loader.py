@@ -13,6 +13,7 @@ the caller gives one (see derived_files.py), and read from there later.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,20 +143,31 @@ def config_from_gguf(index: GgufIndex, source: str = "the GGUF") -> ModelConfig:
                                "convert or download it again")
         return value
 
+    def number(key: str, default: float) -> float:
+        """A finite number above 0 (float fields: epsilon, rope base and factor), as in config.json."""
+        value = a(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise BackendError(f"{source}: metadata `{arch}.{key}` is {value!r}, the torch engine needs a number "
+                               "above 0 there; is the file complete? convert or download it again")
+        return float(value)
+
     names = set(index.tensors)
     n_heads = count("attention.head_count")
     dim = count("embedding_length")
     vocab = a("vocab_size") or index.field(_VOCAB_COUNT, 0)
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise BackendError(f"{source}: it names no vocabulary size (`{arch}.vocab_size` or the tokenizer's token "
+                           "list); is the file complete? convert or download it again")
     scaling = None
     if a("rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+        scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
     return ModelConfig(
         vocab_size=int(vocab), dim=dim, n_layers=count("block_count"), n_heads=n_heads,
         n_kv_heads=count("attention.head_count_kv", n_heads),
         head_dim=count("attention.key_length", dim // n_heads),
-        ffn_dim=count("feed_forward_length"), norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=scaling,
-        max_position=int(a("context_length", 4096)), tie_embeddings="output.weight" not in names,
+        ffn_dim=count("feed_forward_length"), norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=number("rope.freq_base", 10000.0), rope_scaling=scaling,
+        max_position=count("context_length", 4096), tie_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names, arch=arch)
 
 

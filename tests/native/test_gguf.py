@@ -1,6 +1,7 @@
 """GGUF loading: llama-arch un-permutation, dequantization, int4 kernel path, tokenizer from metadata."""
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 
@@ -169,3 +170,34 @@ def test_unknown_weights_are_refused_not_ignored(tiny_dirs, tmp_path):
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(BackendError, match="o_proj.bias"):
         load_hf_dir(d)
+
+
+@pytest.mark.parametrize("key, value", [("attention.layer_norm_rms_epsilon", float("nan")),
+                                        ("attention.layer_norm_rms_epsilon", -1e-5), ("rope.freq_base", 0.0),
+                                        ("rope.freq_base", "10000"), ("rope.freq_base", float("inf")),
+                                        ("context_length", -4), ("context_length", 2048.5)])
+def test_metadata_numbers_are_checked_like_config_json(tiny_ggufs, key, value):
+    import dataclasses
+
+    from specchat.backends.native.gguf_loader import GgufIndex, config_from_gguf
+
+    index = GgufIndex.from_reader(gguf.GGUFReader(tiny_ggufs["Q8_0"]))
+    arch = index.fields["general.architecture"]
+    assert config_from_gguf(index).arch == arch  # the file as written loads
+    broken = dataclasses.replace(index, fields={**index.fields, f"{arch}.{key}": value})
+    with pytest.raises(BackendError) as e:
+        config_from_gguf(broken, source="model.gguf")
+    line = str(e.value)
+    assert line.startswith(f"model.gguf: metadata `{arch}.{key}` is ") and "\n" not in line
+
+
+def test_a_gguf_without_a_vocabulary_size_is_one_line(tiny_ggufs):
+    import dataclasses
+
+    from specchat.backends.native.gguf_loader import _VOCAB_COUNT, GgufIndex, config_from_gguf
+
+    index = GgufIndex.from_reader(gguf.GGUFReader(tiny_ggufs["Q8_0"]))
+    arch = index.fields["general.architecture"]
+    fields = {k: v for k, v in index.fields.items() if k not in (_VOCAB_COUNT, f"{arch}.vocab_size")}
+    with pytest.raises(BackendError, match="names no vocabulary size"):
+        config_from_gguf(dataclasses.replace(index, fields=fields), source="model.gguf")
