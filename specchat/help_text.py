@@ -45,7 +45,8 @@ keys: Esc stop/back · Ctrl+G race · Ctrl+L use other reply · Ctrl+F floor""",
 examples:
   specchat repl                   the REPL on the default profile
   specchat repl -p smollm2-mtp    with MTP drafting
-inside: /profile, /ab, /verify, /system, /save, /stats, /exit""",
+inside: /profile, /ab, /verify, /system, /save, /stats, /exit;
+  /schema FILE|off, /regex R|off, /grammar FILE|off: the shape of replies""",
     "run": """\
 examples:
   specchat run "Explain speculative decoding in one sentence."
