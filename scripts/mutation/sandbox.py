@@ -27,7 +27,9 @@ def make_tree(repo: Path, commit: str, tree: Path) -> None:
 
 
 def check_imports(tree: Path, env: dict) -> None:
-    code = ("import json, specchat, specchat.backends.base as b, specchat.shipped_profiles as p, tests; "
+    code = ("import json, sys, specchat, specchat.backends.base as b, specchat.shipped_profiles as p, tests; "
+            "assert not [f for f in sys.meta_path if getattr(f, '__module__', '').startswith('__editable__')], "
+            "'the editable install still serves modules'; "
             "print(json.dumps([specchat.__file__, b.__file__, p.__file__, tests.__file__]))")
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
