@@ -43,6 +43,11 @@ def cmd_verify(args) -> int:
     if not spec_profile.remote and not same_arithmetic(spec_profile, ref_profile):
         own = load_reference(spec_profile, spec, spec_profile.target_only())
     sampling = sampling_of(spec_profile)
+    if args.concurrency:  # throughput alone is set beside throughput under load: no cold first request in it
+        from specchat.bench import warm_up
+
+        for backend, profile in ((spec, spec_profile), (reference, ref_profile)):
+            warm_up(backend, profile)
     checks = []
     turns = 1 if args.turns == "first" else 1_000
     try:
