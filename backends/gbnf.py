@@ -1,10 +1,9 @@
 """A constraint as llama.cpp takes it: a GBNF grammar.
 
-llama.cpp (the `llamacpp` backend, llama-cpp-python's server) constrains replies only by GBNF; a
-JSON schema becomes GBNF by llama-cpp-python's own converter (the Python port of llama.cpp's
-json-schema-to-grammar). A regular expression is refused, not converted: that port's regex
-translation mangles escapes (`\\d{3}` comes out as the literal text `\\d\\d\\d`), and a constraint
-that silently means something else is worse than none.
+llama.cpp (the `llamacpp` backend, llama-server, llama-cpp-python's server) constrains replies by
+GBNF; a JSON schema becomes GBNF by llama-cpp-python's own converter (the Python port of llama.cpp's
+json-schema-to-grammar), a regular expression by regex_gbnf.py (that port's regex translation
+mangles escapes: `\\d{3}` comes out as the literal text `\\d\\d\\d`).
 """
 from __future__ import annotations
 
@@ -41,17 +40,31 @@ def schema_object(constraint: Constraint) -> dict:
     return schema
 
 
-def refuse_regex(constraint: Constraint, engine: str) -> BackendError:
-    return BackendError(f"{constraint_name(constraint)}: {engine} takes no regular expression constraint; "
-                        f"--regex runs on {REGEX_ENGINES} (on llama.cpp write it as a GBNF grammar: --grammar FILE)")
+def refuse_regex(constraint: Constraint, engine: str, what: str = "") -> BackendError:
+    return BackendError(f"{constraint_name(constraint)}: {engine} takes no regular expression{what} (a grammar "
+                        f"cannot say it); such a regex runs on {REGEX_ENGINES}")
+
+
+def regex_gbnf(constraint: Constraint, engine: str) -> str:
+    import re
+
+    from .regex_gbnf import Unsupported, regex_to_gbnf
+
+    try:
+        return regex_to_gbnf(constraint.text)
+    except re.error as e:
+        raise BackendError(f"{constraint_name(constraint)}: {engine} takes a regular expression as a grammar "
+                           f"converted from Python's regex syntax, which does not read this one ({e})") from None
+    except (Unsupported, RecursionError) as e:
+        raise refuse_regex(constraint, engine, f" with {e}" if str(e) else "") from None
 
 
 @functools.lru_cache(maxsize=32)
 def gbnf_of(constraint: Constraint, engine: str = "llama.cpp") -> str:
-    """The constraint as GBNF text for llama.cpp. Refused in one line: a regular expression, a
-    schema llama.cpp's converter cannot translate, a grammar that is not GBNF."""
+    """The constraint as GBNF text for llama.cpp. Refused in one line: a regular expression a
+    grammar cannot say, a schema llama.cpp's converter cannot translate, a grammar that is not GBNF."""
     if constraint.kind == "regex":
-        raise refuse_regex(constraint, engine)
+        return regex_gbnf(constraint, engine)
     if constraint.kind == "json_schema":
         from llama_cpp.llama_grammar import json_schema_to_gbnf
 

@@ -33,8 +33,11 @@ def test_a_gbnf_grammar_passes_as_it_is():
 
 
 @pytest.mark.parametrize("constraint, says", [
-    (Constraint("regex", r"\d{3}", "--regex"), r"--regex: llama.cpp takes no regular expression constraint; "
-                                                r"--regex runs on the torch engine, vLLM or SGLang"),
+    (Constraint("regex", r"(a)\1", "--regex"), r"--regex: llama.cpp takes no regular expression with a "
+                                              r"backreference \(a grammar cannot say it\); such a regex runs on "
+                                              r"the torch engine, vLLM or SGLang"),
+    (Constraint("regex", r"\p{L}+", "--regex"), r"--regex: llama.cpp takes a regular expression as a grammar "
+                                               r"converted from Python's regex syntax, which does not read this one"),
     (Constraint("grammar", 'start: "a"', "g.lark"), "g.lark: llama.cpp reads GBNF grammars"),
     (Constraint("json_schema", '{"type": "frob"}', "f.json"), "f.json: llama.cpp cannot turn this JSON schema into a "
                                                             "grammar: Unrecognized schema"),

@@ -5,7 +5,8 @@ Every OpenAI-compatible server named here takes a JSON schema as `response_forma
 and quietly falls back to any JSON when it cannot convert a schema: it gets the schema as llama.cpp
 GBNF in its `grammar` field instead, converted here where a failure is said. Regular expressions
 and grammars go in each server's own fields: vLLM's `structured_outputs` (`guided_regex` /
-`guided_grammar` before 0.10.2), SGLang's `regex` / `ebnf`, llama-server's `grammar` (GBNF). A
+`guided_grammar` before 0.10.2), SGLang's `regex` / `ebnf`, llama-server's `grammar` (GBNF, a
+regex converted to it here). A
 server whose kind is unknown gets only what the OpenAI API defines; anything else is refused in
 one line rather than sent where it would be ignored.
 """
@@ -15,7 +16,7 @@ import re
 from typing import Optional
 
 from ..base import BackendError, Constraint
-from ..gbnf import checked_gbnf, constraint_name, gbnf_of, refuse_regex, schema_object
+from ..gbnf import checked_gbnf, constraint_name, gbnf_of, schema_object
 
 LLAMA_SERVER, LLAMA_CPP_PYTHON, VLLM, SGLANG, OPENAI = "llama-server", "llama-cpp-python", "vllm", "sglang", "openai"
 # the first vLLM whose requests take `structured_outputs` (guided_* went in 0.12)
@@ -46,9 +47,7 @@ def constraint_fields(constraint: Constraint, server: str, *, version: Optional[
         return {"grammar": checked_gbnf(constraint, "llama-cpp-python's server")}
     if kind == "json_schema":
         return response_format(constraint)
-    if server == LLAMA_SERVER:
-        if kind == "regex":
-            raise refuse_regex(constraint, "llama-server")
+    if server == LLAMA_SERVER:  # a regex as GBNF: llama-server has no regex field
         return {"grammar": gbnf_of(constraint, "llama-server")}
     if server == VLLM:
         field = "regex" if kind == "regex" else "grammar"

@@ -3,6 +3,7 @@ the llamaserver backend's native endpoint and by the openai backend's OpenAI-com
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -54,11 +55,18 @@ def test_a_grammar_holds_the_reply_to_its_language(server):
         assert out.text in ("yes.", "no.")
 
 
+def test_a_regex_reaches_it_as_the_grammar_of_its_language(server):
+    phone = Constraint("regex", r"\+\d{2} \d{3} \d{4}", "--regex")
+    for sampling in (Sampling(max_tokens=20), Sampling(temperature=1.0, seed=4, max_tokens=20)):
+        out = run_to_summary(server.stream(Request(messages=ASK, constraint=phone), sampling))
+        assert re.fullmatch(phone.text, out.text), out.text
+
+
 @pytest.mark.parametrize("constraint, says", [
     (Constraint("grammar", "root ::= foo", "bad.gbnf"), "llama-server refused the constraint bad.gbnf: .*grammar"),
     (Constraint("json_schema", '{"type": "frob"}', "frob.json"),
      "llama-server refused the constraint frob.json: .*unrecognized type frob"),
-    (Constraint("regex", "a+", "--regex"), "--regex: llama-server takes no regular expression constraint"),
+    (Constraint("regex", r"(a)\1", "--regex"), "--regex: llama-server takes no regular expression with a backref"),
 ])
 def test_what_llama_server_refuses_is_one_line_and_it_serves_on(server, constraint, says):
     with pytest.raises(BackendError, match=says) as e:

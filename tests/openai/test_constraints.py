@@ -35,11 +35,16 @@ def test_regexes_and_grammars_go_in_each_servers_own_fields():
     assert constraint_fields(GRAMMAR, SGLANG) == {"ebnf": GRAMMAR.text}
     assert constraint_fields(GRAMMAR, LLAMA_SERVER) == {"grammar": GRAMMAR.text}
     assert constraint_fields(GRAMMAR, LLAMA_CPP_PYTHON) == {"grammar": GRAMMAR.text}
+    # llama.cpp's servers have no regex field: the regex goes as the grammar of its language
+    want = {"grammar": 'root ::= ([0-9]){3} "-" ([0-9]){4}\n'}
+    assert constraint_fields(REGEX, LLAMA_SERVER) == want == constraint_fields(REGEX, LLAMA_CPP_PYTHON)
 
 
 @pytest.mark.parametrize("constraint, server, says", [
-    (REGEX, LLAMA_SERVER, "--regex: llama-server takes no regular expression constraint"),
-    (REGEX, LLAMA_CPP_PYTHON, "--regex: llama-cpp-python's server takes no regular expression constraint"),
+    (Constraint("regex", r"(?=a)b", "--regex"), LLAMA_SERVER,
+     r"--regex: llama-server takes no regular expression with a lookahead or lookbehind"),
+    (Constraint("regex", r"(a)\1", "--regex"), LLAMA_CPP_PYTHON,
+     r"--regex: llama-cpp-python's server takes no regular expression with a backreference"),
     (REGEX, OPENAI, "--regex: profile 'p' is not known to take a regular expression constraint .*server.metrics"),
     (GRAMMAR, OPENAI, "grammars/yes-no.gbnf: profile 'p' is not known to take a grammar constraint"),
     (Constraint("grammar", 'start: "a"', "g.lark"), LLAMA_SERVER, "g.lark: llama-server reads GBNF grammars"),
