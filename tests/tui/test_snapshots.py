@@ -66,3 +66,29 @@ def test_ab_screen_snapshot(profiles_dir, snap_compare):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=(120, 30), run_before=run_before)
+
+
+def test_constrained_chat_snapshot(profiles_dir, tmp_path, snap_compare):
+    """A JSON schema on: the status line says so, and the JSON reply shows indented."""
+    from specchat.backends.base import Constraint
+
+    schema = Constraint("json_schema", '{"type": "object"}', str(tmp_path / "person.json"))
+    reply = '{"name": "Ann", "age": 31, "city": "Oslo", "tags": ["sea", "ski"]}'
+    app = SpecChatApp("spec", loader=Loader({"spec": ScriptedBackend([reply], accept=[2, 1])}), history=False,
+                      constraint=schema)
+
+    async def run_before(pilot):
+        await wait_until(pilot, lambda: app.backend is not None, what="loaded")
+        await _send(pilot, "#prompt", "Ann is 31 and lives in Oslo; she likes the sea and skiing.")
+        chat = app.chat
+        await wait_until(pilot, lambda: app.conv.last_reply == reply and not chat.generating, what="reply")
+        freeze(chat.live.summary)
+        msg = chat.query(AssistantMessage).last()
+        msg.note = summary_note(chat.live.summary)
+        msg.query_one(".reply-note").update(msg.note)
+        chat.refresh_status()
+        app.clear_notifications()
+        app.screen.set_focus(None)
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(100, 32), run_before=run_before)
