@@ -101,7 +101,7 @@ def read_moe_layer(take: Callable[[str], Tensor], names, reader: TensorReader, p
     experts = [n for n in mine if n[len(prefix):].startswith(EXPERTS)]
     fused = prefix + FUSED["gate_up"] in names
     known = {prefix + FUSED["gate_up"], prefix + FUSED["down"]} if fused else {
-        n for n in experts if PER_EXPERT.fullmatch(n[len(prefix):])}
+        n for n in experts if (m := PER_EXPERT.fullmatch(n[len(prefix):])) and int(m.group(1)) < shape.experts}
     unknown = [n for n in mine if (n in experts and n not in known) or n[len(prefix):].startswith(
         ("block_sparse_moe.", "mlp.router."))]
     if unknown or prefix + ROUTER not in names:

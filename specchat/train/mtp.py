@@ -274,6 +274,9 @@ def train_mtp(profile, data: list[Path], out: Path, cfg: MtpTrainConfig, say=pri
     dense = lambda m: m.dequantize() if isinstance(m, Int4Rows) else m.float()  # noqa: E731
     last = {k: dense(v) for k, v in ck.layers[-1].items()
             if k in ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm")}
+    if "experts" in ck.layers[-1]:
+        raise BackendError("train mtp starts its head from the target's last layer, and this target's is routed "
+                           "experts; use the checkpoint's own MTP head (method: mtp with no drafter) or an EAGLE-3 head")
     if any(k in ck.layers[-1] for k in ("q_bias", "q_norm")):
         raise BackendError("train mtp supports Llama-style targets (no q/k/v biases or q/k norms) for now")
     embed = ck.embed.float()
