@@ -5,7 +5,10 @@ experts) and a dense Qwen3 model of the same active size (its MLP as wide as top
 on the torch engine in bfloat16 with row-exact passes (strict verification's arithmetic). For
 K = 1..8 rows: the time of a pass with rows grouped by expert (each chosen expert's weights read
 once per block, as the engine runs it) and with each row's experts run row by row (the naive
-block), against the dense model's K-row pass; interleaved, medians of --repeats.
+block), against the dense model's K-row pass; interleaved; per variant the fastest of --repeats
+wall times and the median process CPU time (on a shared machine the fastest run is the one least
+disturbed, and CPU time does not count the waits for a core); --threads 1 by default, so that
+neither is a wait between the pass's own threads.
 
 On paper (GPU): the bytes a Qwen3-30B-A3B pass reads for K rows, from its config (48 layers,
 hidden 2048, 32 query / 4 key-value heads of 128, 128 experts of width 768, top-8, vocabulary
@@ -13,7 +16,7 @@ hidden 2048, 32 query / 4 key-value heads of 128, 128 experts of width 768, top-
 between neighbouring tokens more, so these are upper bounds), and so the acceptance rate a draft
 of each depth needs before its verify pass pays for itself (memory-bound decode, draft cost 0).
 
-    nice -n 10 python scripts/moe_cost.py [--repeats 7] [--json]
+    nice -n 10 python scripts/moe_cost.py [--repeats 7] [--threads 1] [--json]
 """
 from __future__ import annotations
 
@@ -65,11 +68,12 @@ def row_by_row():
         RoutedExperts.forward = grouped
 
 
-def timed(model, tokens: torch.Tensor, start: int) -> float:
+def timed(model, tokens: torch.Tensor, start: int) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one row-exact pass of `tokens` at `start`."""
     model.cache.length = start
-    t = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     model(tokens[None], start, all_logits=True, row_exact=True)
-    return time.perf_counter() - t
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def distinct_experts(model, tokens: torch.Tensor, start: int) -> float:
@@ -105,11 +109,13 @@ def measure(repeats: int) -> list[dict]:
                 times["grouped"].append(grouped)
                 times["row_by_row"].append(naive)
                 times["dense"].append(plain)
-        rows.append({"rows": K, **{k: 1e3 * statistics.median(v) for k, v in times.items()},
+        rows.append({"rows": K, **{k: 1e3 * min(w for w, _ in v) for k, v in times.items()},
+                     **{f"{k}_cpu": 1e3 * statistics.median(c for _, c in v) for k, v in times.items()},
                      "experts_read": distinct_experts(moe, block, start)})
     one = rows[0]
     for r in rows:
         r |= {f"{k}_x": r[k] / one[k] for k in ("grouped", "row_by_row", "dense")}
+        r |= {f"{k}_cpu_x": r[f"{k}_cpu"] / one[f"{k}_cpu"] for k in ("grouped", "row_by_row", "dense")}
     return rows
 
 
@@ -155,18 +161,22 @@ def break_even(depth: int, cost: float) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     measured, on_paper = measure(args.repeats), paper()
     if args.json:
         print(json.dumps({"measured": measured, "paper": on_paper}, indent=1))
         return
-    print(f"measured, torch {torch.__version__}, {torch.get_num_threads()} threads, bfloat16 row-exact passes; "
+    print(f"measured, torch {torch.__version__}, {args.threads} thread(s), bfloat16 row-exact passes; "
           f"MoE {EXPERTS} experts top-{TOP_K} of width {EXPERT_DIM} vs dense MLP {TOP_K * EXPERT_DIM}")
-    print("rows | MoE grouped ms (x one row) | MoE row by row ms (x) | dense ms (x) | experts read/layer")
+    print("rows | MoE grouped: fastest ms (x one row), CPU ms (x) | MoE row by row: same | dense: same | "
+          "experts read/layer")
     for r in measured:
-        print(f"{r['rows']} | {r['grouped']:.1f} ({r['grouped_x']:.2f}x) | {r['row_by_row']:.1f} "
-              f"({r['row_by_row_x']:.2f}x) | {r['dense']:.1f} ({r['dense_x']:.2f}x) | {r['experts_read']:.1f}")
+        cells = [f"{r[k]:.1f} ({r[k + '_x']:.2f}x), {r[k + '_cpu']:.1f} ({r[k + '_cpu_x']:.2f}x)"
+                 for k in ("grouped", "row_by_row", "dense")]
+        print(f"{r['rows']} | " + " | ".join(cells) + f" | {r['experts_read']:.1f}")
     print("\non paper, Qwen3-30B-A3B in bfloat16, uniform independent routing")
     print("rows | experts read/layer | GB read a pass | x one-token pass | break-even acceptance at depth rows-1")
     for r in on_paper:
