@@ -86,3 +86,96 @@ def test_llama_cpp_python_s_server_is_recognised_and_holds_the_reply_to_the_sche
         json.loads(free.text)  # this prompt gets prose when free
     out = run_to_summary(backend.stream(Request(messages=ASK, constraint=GRAMMAR), Sampling(max_tokens=8)))
     assert out.text in ("yes.", "no.")
+
+
+class LikeServer:
+    """A loopback server that answers the identification probes as one server kind does (`routes`:
+    GET path -> JSON), and chat completions with one streamed word, or with `refuse` as an HTTP 400
+    in the OpenAI error format (vLLM's and SGLang's)."""
+
+    def __init__(self, routes: dict, refuse: str | None = None):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.bodies: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, payload, kind="application/json"):
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path in routes:
+                    self._send(200, routes[self.path])
+                elif self.path == "/v1/models":
+                    self._send(200, {"data": [{"id": MODEL}]})
+                else:
+                    self._send(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                if refuse:
+                    self._send(400, {"object": "error", "message": refuse, "type": "BadRequestError", "code": 400})
+                    return
+                chunk = {"choices": [{"index": 0, "delta": {"content": "555-0199"}, "finish_reason": "stop"}]}
+                self._send(200, f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode(), "text/event-stream")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("routes, kind, field", [
+    ({"/version": {"version": "0.9.2"}}, (VLLM, "0.9.2"), {"guided_regex": REGEX.text}),
+    ({"/version": {"version": "0.11.1"}}, (VLLM, "0.11.1"), {"structured_outputs": {"regex": REGEX.text}}),
+    ({"/get_server_info": {"version": "0.4.6"}, "/version": {"version": "0.4.6"}}, (SGLANG, None),
+     {"regex": REGEX.text}),
+])
+def test_an_unnamed_server_is_asked_what_it_is_and_gets_its_own_fields(routes, kind, field):
+    server = LikeServer(routes)
+    try:
+        backend = OpenAIBackend(server.base_url, MODEL, logprobs=False)  # server.metrics: auto
+        out = run_to_summary(backend.stream(Request(messages=ASK, constraint=REGEX), Sampling(max_tokens=8)))
+        assert out.text == "555-0199" and backend.server_kind() == kind
+        assert {k: server.bodies[-1][k] for k in field} == field
+    finally:
+        server.stop()
+
+
+def test_a_server_that_knows_nothing_of_regexes_is_refused_a_regex_before_it_is_sent():
+    server = LikeServer({})
+    try:
+        backend = OpenAIBackend(server.base_url, MODEL, logprobs=False)
+        with pytest.raises(BackendError, match="--regex: server .* is not known to take a regular expression"):
+            backend.stream(Request(messages=ASK, constraint=REGEX), Sampling(max_tokens=8))
+        assert backend.server_kind() == (OPENAI, None) and not server.bodies
+        run_to_summary(backend.stream(Request(messages=ASK, constraint=schema()), Sampling(max_tokens=8)))
+        assert server.bodies[-1]["response_format"]["type"] == "json_schema"  # a schema is the OpenAI API's own
+    finally:
+        server.stop()
+
+
+def test_a_server_that_refuses_the_constraint_is_one_line_naming_it_and_what_it_said():
+    said = "grammar error: unexpected token at line 1"
+    server = LikeServer({"/version": {"version": "0.11.1"}}, refuse=said)
+    try:
+        backend = OpenAIBackend(server.base_url, MODEL, logprobs=False, where="profile 'vllm-x'")
+        with pytest.raises(BackendError) as e:
+            run_to_summary(backend.stream(Request(messages=ASK, constraint=GRAMMAR), Sampling(max_tokens=8)))
+        assert str(e.value) == f"profile 'vllm-x': vLLM refused the constraint grammars/yes-no.gbnf: {said}"
+        with pytest.raises(BackendError, match="the server answered HTTP 400"):  # unconstrained: as before
+            run_to_summary(backend.stream(Request(messages=ASK), Sampling(max_tokens=8)))
+    finally:
+        server.stop()
