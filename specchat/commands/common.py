@@ -21,7 +21,7 @@ def overridden(profile, args):
     """The profile with this command's flags applied (sampling flags and --set KEY=VALUE)."""
     import yaml
 
-    from specchat.constraints import flag_settings
+    from specchat.constraints import constraint_of, flag_settings
 
     settings = {f"sampling.{k}": getattr(args, k, None) for k in ("temperature", "top_p", "top_k", "seed", "max_tokens")}
     settings.update(flag_settings(args))
@@ -30,7 +30,9 @@ def overridden(profile, args):
         if not sep or not key:
             raise UsageError(f"--set {item!r}: expected KEY=VALUE, e.g. --set speculative.depth=3")
         settings[key.strip()] = yaml.safe_load(value)
-    return profile.with_overrides(settings)
+    profile = profile.with_overrides(settings)
+    constraint_of(profile)  # a constraint file gone bad: one line now, before any model loads
+    return profile
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
