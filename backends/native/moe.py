@@ -73,12 +73,12 @@ class Router(nn.Module):
         gate = None
         if self.gated:
             gate = rowwise(torch.sigmoid, logits[:, s.experts:].contiguous())
-            logits = logits[:, :s.experts]
+            logits = logits[:, :s.experts].contiguous()
         if s.scoring == "softmax":
             probs = F.softmax(logits, dim=-1)  # row by row over the last dim
             weights, experts = probs.topk(s.top_k, dim=-1)
         else:
-            scores = rowwise(torch.sigmoid, logits.contiguous())
+            scores = rowwise(torch.sigmoid, logits)
             choice = scores if self.bias is None else scores + self.bias
             experts = self._grouped_top_k(choice)
             weights = scores.gather(1, experts)
