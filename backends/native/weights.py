@@ -330,15 +330,21 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
                 device: torch.device | str = "cpu", rollback: str = "snapshot") -> Transformer:
     """int4 runs Int4Rows matrices with torch's group-wise int4 kernel (CPU, bfloat16 activations),
     keeping a bfloat16 copy of them for prefill when it takes at most DENSE_COPY_MAX_BYTES.
-    `rollback`: a hybrid's recurrent-state rollback (recurrent_state.ROLLBACK_MODES)."""
+    `rollback`: a hybrid's recurrent-state rollback (recurrent_state.ROLLBACK_MODES).
+    Consumes `ck.layers`: each layer's checkpoint tensors are let go once it is built, so that a big
+    model's float32 copies never all sit beside the built model."""
     device = torch.device(device)
     if int4 and (dtype != torch.bfloat16 or device.type != "cpu"):
         raise ValueError("the int4 kernel path runs on CPU with bfloat16 activations")
     dense_copy = int4 and dense_copy_bytes(ck) <= DENSE_COPY_MAX_BYTES
     moe = ck.cfg.moe
-    layers = [recurrent_layer(ck.cfg, build_recurrent_layer(layer, dtype, int4, device, moe)) if ck.cfg.is_linear(i)
-              else decoder_layer(ck.cfg, build_layer(layer, dtype, int4, device, dense_copy, moe))
-              for i, layer in enumerate(ck.layers)]
+    layers = []
+    for i in range(len(ck.layers)):
+        layer, ck.layers[i] = ck.layers[i], {}
+        layers.append(recurrent_layer(ck.cfg, build_recurrent_layer(layer, dtype, int4, device, moe))
+                      if ck.cfg.is_linear(i) else decoder_layer(ck.cfg, build_layer(layer, dtype, int4, device,
+                                                                                    dense_copy, moe)))
+        del layer
     embed = ck.embed.float().to(device)
     head_weight = ck.head if ck.head is not None else embed
     if device.type == "cpu" and dtype != torch.float32:
