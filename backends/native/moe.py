@@ -5,8 +5,8 @@ says how); the row's output is the weighted sum of those experts' SwiGLU outputs
 expert (behind a sigmoid gate on Qwen's) that every row runs.
 
 How rows are computed, so that a verify block is exact and not wasteful:
-- the router's scores are a float32 matmul in row pairs (`Linear(pairwise=True)`, as the LM head
-  on CPU), and its elementwise steps run on rows padded to a multiple of ROW_PAD values, so a
+- the router's scores are a float32 matmul, on CPU in row pairs (`Linear(pairwise=True)`, as the
+  LM head), and its elementwise steps run on rows padded to a multiple of ROW_PAD values, so a
   row's scores, and so its choice, never depend on the other rows of the pass;
 - a pass runs only the experts its rows chose, each once, on the rows that chose it
   (`group_rows`): a one-token pass reads top_k experts' weights, a k-row verify block each chosen
@@ -62,7 +62,9 @@ class Router(nn.Module):
         super().__init__()
         self.shape = shape
         rows = weight if shared_gate is None else torch.cat([weight, shared_gate])
-        self.scores = Linear(rows.float().contiguous(), pairwise=True)
+        # in row pairs on CPU, where strict verification needs a row's scores alone (on CUDA it never
+        # applies, and a prefill's rows would cost a kernel launch a pair)
+        self.scores = Linear(rows.float().contiguous(), pairwise=rows.device.type == "cpu")
         self.bias = frozen(None if bias is None else bias.float().to(weight.device))
         self.gated = shared_gate is not None
 
