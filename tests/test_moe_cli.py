@@ -34,6 +34,12 @@ def test_run_streams_what_transformers_generates(moe_dirs, family, isolated_dirs
         want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=[2, 0],
                               pad_token_id=0)[0, len(prompt):].tolist()
     assert out["token_ids"] == want[:len(out["token_ids"])] and out["tokens"] >= 5
+    if family == "qwen3_moe":  # the default profile compiles; on a MoE target it answers on eager passes, saying why
+        assert cli.main(["run", "--set", f"model={path}", "--set", "dtype=float32", "--json", "--max-tokens", "20",
+                         "the quick brown fox"]) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)["token_ids"] == out["token_ids"]
+        assert "mixture-of-experts model" in captured.err and "set compile: false" in captured.err
 
 
 def test_verify_with_a_glm_style_moe_mtp_head_finds_no_mismatch(moe_dirs, isolated_dirs, tmp_path, capsys):
