@@ -63,6 +63,21 @@ def test_fused_expert_layout_is_the_same_model(moe_dirs, tmp_path):
         assert torch.equal(engine(fused).forward(ids, 0)[0], engine(moe_dirs[family]).forward(ids, 0)[0])
 
 
+def test_sharded_checkpoint_is_the_same_model(moe_dirs, tmp_path):
+    """Experts spread over several safetensors shards (model.safetensors.index.json), as published."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    src = moe_dirs["glm4_moe"]
+    sharded = shutil.copytree(src, tmp_path / "sharded", ignore=shutil.ignore_patterns("*.safetensors"))
+    AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).save_pretrained(str(sharded),
+                                                                                        max_shard_size="200KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 2 and (sharded / "model.safetensors.index.json").exists()
+    ids = random_ids(24)
+    assert torch.equal(engine(sharded).forward(ids, 0)[0], engine(src).forward(ids, 0)[0])
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "qwen3_5_moe"])
 @pytest.mark.parametrize("precision", ["bfloat16", "int4"])
 def test_verify_block_rows_are_one_token_passes_bitwise(moe_dirs, family, precision):
