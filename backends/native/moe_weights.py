@@ -98,14 +98,14 @@ def read_moe_layer(take: Callable[[str], Tensor], names, reader: TensorReader, p
     experts left in the checkpoint (`ExpertWeights`). `names`: every tensor name in the checkpoint;
     `what`: the layer, as errors name it. A layout it does not know is a BackendError naming it."""
     mine = moe_layer_names(names, prefix)
-    experts = [n for n in mine if n[len(prefix):].startswith(EXPERTS)]
+    experts = {n for n in mine if n[len(prefix):].startswith(EXPERTS)}
     fused = prefix + FUSED["gate_up"] in names
     known = {prefix + FUSED["gate_up"], prefix + FUSED["down"]} if fused else {
         n for n in experts if (m := PER_EXPERT.fullmatch(n[len(prefix):])) and int(m.group(1)) < shape.experts}
     unknown = [n for n in mine if (n in experts and n not in known) or n[len(prefix):].startswith(
         ("block_sparse_moe.", "mlp.router."))]
     if unknown or prefix + ROUTER not in names:
-        example = (unknown or experts or mine or [f"{prefix}{ROUTER} (absent)"])[0]
+        example = (unknown or sorted(experts) or mine or [f"{prefix}{ROUTER} (absent)"])[0]
         raise BackendError(f"{source}: {what} has its experts in a layout the torch engine does not know ({example}); "
                            f"it reads {KNOWN_LAYOUTS} with the router mlp.gate.weight; use backend: llamacpp "
                            "or a server (backend: openai)")
