@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -339,12 +339,16 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
     dense_copy = int4 and dense_copy_bytes(ck) <= DENSE_COPY_MAX_BYTES
     moe = ck.cfg.moe
     layers = []
-    for i in range(len(ck.layers)):
-        layer, ck.layers[i] = ck.layers[i], {}
-        layers.append(recurrent_layer(ck.cfg, build_recurrent_layer(layer, dtype, int4, device, moe))
-                      if ck.cfg.is_linear(i) else decoder_layer(ck.cfg, build_layer(layer, dtype, int4, device,
-                                                                                    dense_copy, moe)))
-        del layer
+    # a MoE model's experts are read from disk here (moe_weights.py): minutes for a big one
+    bar = progress("reading the experts", len(ck.layers)) if moe is not None else nullcontext(lambda n=1: None)
+    with bar as advance:
+        for i in range(len(ck.layers)):
+            layer, ck.layers[i] = ck.layers[i], {}
+            layers.append(recurrent_layer(ck.cfg, build_recurrent_layer(layer, dtype, int4, device, moe))
+                          if ck.cfg.is_linear(i) else decoder_layer(ck.cfg, build_layer(layer, dtype, int4, device,
+                                                                                        dense_copy, moe)))
+            del layer
+            advance()
     embed = ck.embed.float().to(device)
     head_weight = ck.head if ck.head is not None else embed
     if device.type == "cpu" and dtype != torch.float32:
