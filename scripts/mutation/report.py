@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mutation.common import DEFAULT_REPO, PROMPTS, committed_text, log
 from mutation.scope import RULES, family
-from mutation.verify_stage import equivalent_reason, mutant_text, mutation_lines
+from mutation.verify_stage import CANARY_KEY, equivalent_reason, mutant_text, mutation_lines
 
 
 # --- stage 6: report -------------------------------------------------------------------------------
@@ -125,6 +125,12 @@ def report(out: Path, repo: Path, commit: str, plan: dict, verify: dict, equival
     md += table("operator", per_operator) + [""]
     md += [f"Timeouts counted as killed by tests: {total['timeouts']}; verify kills by an error (exit 2, "
            f"another exit code, a traceback or a timeout) rather than a mismatch: {total['verify errors']}.", ""]
+    canary = verify.get(CANARY_KEY, {}).get("checks", {})
+    if canary:
+        blind = [c for c, seen in canary.items() if not seen.startswith("killed: mismatch")]
+        md += ["Canary (acceptance keeps the first draft whatever the target chose; every check must call it a "
+               "mismatch): " + ", ".join(f"{c} {seen}" for c, seen in canary.items()) + ". "
+               + (f"**Blind checks: {', '.join(blind)}.**" if blind else "Every check sees it."), ""]
     md += ["## Skipped by rule", ""] + [f"- {r}: {n} ({RULES[r]})" for r, n in
                                         sorted(plan.get("counts", {}).get("skipped", {}).items())] + [""]
     survivors = [r for r in rows if r["status"] in ("survived", "survived-tests")]

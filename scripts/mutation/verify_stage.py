@@ -38,6 +38,51 @@ def verify_argv(check: str) -> list[str]:
     return [a.replace("{prompts}", str(PROMPTS)) for a in VERIFY_CHECKS[check]]
 
 
+# A mutant every verify check must see: acceptance keeps the first draft whatever the target chose.
+# The checks catch nothing the tests missed when the survivors change no output on their prompts,
+# and also when a check cannot see an output change at all; the canary tells the two apart (a
+# check that passes with it in place is blind, and the report says so).
+CANARY_KEY = "canary"  # its entry in verify.json, beside the mutants' job ids
+CANARY = ("backends/speculative/acceptance.py",
+          "    while n < len(draft) and draft[n] == target_choice[n]:\n",
+          "    while n < len(draft) and (draft[n] == target_choice[n] or n == 0):\n")
+
+
+def run_check(sandbox: Path, env: dict, check: str, timeout: float) -> tuple[str, str]:
+    """One `specchat verify` check in a sandbox: ("passed (N s)" or "killed: KIND (N s)", its output)."""
+    start = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "specchat.cli", "verify", *verify_argv(check)],
+                              cwd=sandbox, env=env, capture_output=True, text=True, timeout=timeout)
+        code, text = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        code, text = "timeout", str(e)
+    secs = time.monotonic() - start
+    if code == 0:
+        return f"passed ({secs:.0f} s)", text
+    kind = ("mismatch" if code == 1 and "Traceback" not in text else "traceback"
+            if "Traceback" in text else "timeout" if code == "timeout" else f"exit {code}")
+    return f"killed: {kind} ({secs:.0f} s)", text
+
+
+def run_canary(tree: Path, env: dict, repo: Path, commit: str, checks: list[str], timeout: dict) -> dict:
+    """Every check against the canary mutant: {check: its result}."""
+    module, line, mutated_line = CANARY
+    original = committed_text(repo, commit, module)
+    if original is None or original.count(line) != 1:
+        log(f"[verify] canary: the line it mutates is not in {module} at this commit; not run")
+        return {}
+    seen = {}
+    try:
+        (tree / module).write_text(original.replace(line, mutated_line), encoding="utf-8")
+        for check in checks:
+            seen[check], _ = run_check(tree, env, check, timeout[check])
+            log(f"[verify] canary ({module}: accept the first draft whatever it is) under {check}: {seen[check]}")
+    finally:
+        (tree / module).write_text(original, encoding="utf-8")
+    return seen
+
+
 def verify_baseline(out: Path, tree: Path, env: dict, modules: list[str], commit: str, checks: list[str]) -> dict:
     path = out / "verify-baseline.json"
     base = json.loads(path.read_text()) if path.exists() else {}
@@ -142,6 +187,9 @@ def run_verify(args, out: Path, tree: Path, env: dict, modules: list[str], repo:
     log(f"[verify] {len(survivors)} mutants survived the tests; {len(todo)} to check with `specchat verify`")
     base = verify_baseline(out, tree, env, modules, commit, checks) if todo else None
     timeout = {c: 3 * base["checks"][c]["seconds"] + 120 for c in checks} if base else {}
+    if base and results.get(CANARY_KEY, {}).get("checks_asked") != checks:
+        results[CANARY_KEY] = {"checks_asked": checks, "checks": run_canary(tree, env, repo, commit, checks, timeout)}
+        path.write_text(json.dumps(results, indent=1))
     # One sandbox per parallel verify: the main tree, and the exec workers' copies for --workers > 1.
     trees = [tree] + [out / "workers" / f"w{i}" for i in range(1, args.workers)]
     for t in trees[1:]:
@@ -174,23 +222,11 @@ def run_verify(args, out: Path, tree: Path, env: dict, modules: list[str], repo:
                     if not set(base["checks"][check]["lines"].get(module, [])).intersection(lines):
                         rec["checks"][check] = "not reached"
                         continue
-                    start = time.monotonic()
-                    try:
-                        done = subprocess.run([sys.executable, "-m", "specchat.cli", "verify", *verify_argv(check)],
-                                              cwd=sandbox, env=env, capture_output=True, text=True,
-                                              timeout=timeout[check])
-                        code, text = done.returncode, done.stdout + done.stderr
-                    except subprocess.TimeoutExpired as e:
-                        code, text = "timeout", str(e)
-                    secs = time.monotonic() - start
-                    if code == 0:
-                        rec["checks"][check] = f"passed ({secs:.0f} s)"
-                        continue
-                    kind = ("mismatch" if code == 1 and "Traceback" not in text else "traceback"
-                            if "Traceback" in text else "timeout" if code == "timeout" else f"exit {code}")
-                    rec["checks"][check] = f"killed: {kind} ({secs:.0f} s)"
-                    rec.update(outcome="killed-verify", kill=kind, by=check, output=text.strip().splitlines()[-8:])
-                    break
+                    rec["checks"][check], text = run_check(sandbox, env, check, timeout[check])
+                    if rec["checks"][check].startswith("killed: "):
+                        kind = rec["checks"][check][len("killed: "):].rsplit(" (", 1)[0]
+                        rec.update(outcome="killed-verify", kill=kind, by=check, output=text.strip().splitlines()[-8:])
+                        break
             finally:
                 (sandbox / module).write_text(original, encoding="utf-8")
                 free.put(sandbox)
