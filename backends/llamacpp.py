@@ -11,6 +11,7 @@ from typing import Iterator, Sequence
 from .base import Backend, BackendError, Constraint, Event, Request, Sampling, decode_stream
 from .cpu import thread_count
 from .gbnf import check_gbnf, gbnf_of
+from .llamacpp_grammar import GrammarAfterChoice, constrained_tokens
 
 
 _PROBE = r"""
@@ -148,25 +149,24 @@ class LlamaCppBackend(Backend):
         self.llm.set_seed(sampling.seed)
         temp = sampling.temperature
         grammar = self._grammar(request.constraint) if request.constraint is not None else None
-        # The grammar sampler sits in llama.cpp's chain before the choice, greedy or sampled, and
-        # `generate` makes a fresh one (fresh grammar state) per reply. This backend runs target-only:
-        # it has no draft or prompt-lookup path that could skip the grammar.
         tokens = self.llm.generate(prompt, temp=temp, top_k=sampling.top_k if temp > 0 else 1,
-                                   top_p=sampling.top_p, min_p=0.0, repeat_penalty=1.0, grammar=grammar)
+                                   top_p=sampling.top_p, min_p=0.0, repeat_penalty=1.0)
+        if grammar is not None:
+            # every token of the reply chosen under a fresh grammar state (llamacpp_grammar.py); this
+            # backend runs target-only: it has no draft or prompt-lookup path that could skip it
+            tokens = constrained_tokens(self.llm, tokens, grammar)
         return decode_stream(tokens, prompt_tokens=len(prompt), sampling=sampling,
                              context_length=self.context_length, is_eos=self._is_eog, detokenize=self.detokenize,
                              cancel=cancel, prefill_start=lambda: reused)
 
-    def _grammar(self, constraint: Constraint):
+    def _grammar(self, constraint: Constraint) -> GrammarAfterChoice:
         """The constraint as llama.cpp's grammar, checked against this model's vocabulary first: an
-        invalid one would otherwise reach the sampler chain as a null sampler."""
-        import llama_cpp
-
+        invalid one would otherwise reach the sampler as a null sampler."""
         text = gbnf_of(constraint)
         if text not in self._checked_grammars:
             check_gbnf(text, constraint, self._vocab)
             self._checked_grammars.add(text)
-        return llama_cpp.LlamaGrammar.from_string(text)
+        return GrammarAfterChoice(self.llm, self._vocab, text)
 
     def _reusable(self, prompt: Sequence[int]) -> int:
         """How many prompt tokens `Llama.generate` keeps from its cache: the longest common prefix
