@@ -51,7 +51,7 @@ class SessionConstraint:
     def __init__(self, given: Optional[Constraint] = None):
         self.chosen = given  # set in this session: a flag or a slash command
         self.off = False  # turned off in this session: the profile's own too
-        self._read: Optional[tuple[object, Optional[Constraint]]] = None  # (profile, its constraint), read once
+        self._read: Optional[tuple] = None  # (profile, its constraint or why it cannot be read), read once
 
     def current(self, profile) -> Optional[Constraint]:
         """What the next reply keeps. Raises ConstraintError where the profile's own file went bad."""
@@ -60,7 +60,12 @@ class SessionConstraint:
         if self.off or profile is None:
             return None
         if self._read is None or self._read[0] is not profile:  # read and compiled once per profile loaded
-            self._read = (profile, constraint_of(profile))
+            try:
+                self._read = (profile, constraint_of(profile))
+            except ConstraintError as e:
+                self._read = (profile, e)  # said where it is asked for, not read again 30 times a second
+        if isinstance(self._read[1], ConstraintError):
+            raise self._read[1]
         return self._read[1]
 
     def describe(self, profile) -> str:

@@ -223,3 +223,22 @@ def test_a_constraint_given_at_start_is_kept_and_shown(profiles):
         inp_cm.__exit__(None, None, None)
     assert spec.requests[-1].constraint.text == "yes|no"
     assert "[constraint: regex --regex 'yes|no' (set in this session)]" in out.getvalue()
+
+
+def test_a_profile_constraint_applies_until_schema_off_and_a_broken_one_is_one_line(profiles, tmp_path):
+    import os
+
+    d = Path(os.environ["SPECCHAT_PROFILES_DIR"])
+    (tmp_path / "yn.json").write_text('{"type": "string", "enum": ["yes", "no"]}')
+    (d / "spec.yaml").write_text(PROFILES["spec"] + f"constraint:\n  json_schema: {tmp_path / 'yn.json'}\n")
+    (d / "plain.yaml").write_text(PROFILES["plain"] + f"constraint:\n  json_schema: {tmp_path / 'gone.json'}\n")
+    spec, plain = ScriptedBackend(['"yes"']), ScriptedBackend(["x"])
+    repl, out, _ = run({"spec": spec, "plain": plain}, "one\n/profile plain\nthree\n/schema off\nfour\n/exit\n")
+    assert spec.requests[0].constraint.origin == str(tmp_path / "yn.json")
+    assert f"[constraint: JSON schema {tmp_path / 'yn.json'} (profile 'spec')]" in out
+    # plain's file is gone: said at load and when a turn needs it (the turn refused, not sent free)
+    assert f"[the profile's constraint cannot be read: {tmp_path / 'gone.json'}: no such JSON schema file]" in out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {tmp_path / 'gone.json'}: no such JSON schema file"]
+    assert len(plain.requests) == 1 and plain.requests[0].constraint is None  # "four", after /schema off
+    assert [m["content"] for m in plain.requests[0].messages if m["role"] == "user"] == ["one", "four"]
