@@ -128,14 +128,18 @@ def flag_constraint(args) -> Constraint | None:
     return load_constraint(*given[0]) if given else None
 
 
-def add_constraint_flags(p) -> None:
-    """--json-schema / --regex / --grammar, one at most (argparse says so in one line)."""
+def add_constraint_flags(p, clearable: bool = True) -> None:
+    """--json-schema / --regex / --grammar, one at most (argparse says so in one line), and where
+    `clearable`, --no-constraint."""
     group = p.add_mutually_exclusive_group()
     group.add_argument("--json-schema", dest="json_schema", metavar="FILE",
                        help="every reply is JSON valid against this schema (overrides the profile's constraint)")
     group.add_argument("--regex", metavar="R", help="every reply matches this regular expression as a whole")
     group.add_argument("--grammar", metavar="FILE",
                        help="every reply follows this grammar (Lark, or llama.cpp's GBNF)")
+    if clearable:
+        group.add_argument("--no-constraint", dest="no_constraint", action="store_true",
+                           help="replies free: leave out the profile's constraint and the prompts' own schemas")
 
 
 def reply_problem(constraint: Constraint, text: str) -> str | None:

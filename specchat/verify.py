@@ -127,10 +127,11 @@ def shared_arithmetic(reference: Backend, other: Backend, ref: Summary, out: Sum
     return Arithmetic(until, beyond)
 
 
-def row_choice_function(backend: Backend, prompt: Sequence[int], out: Summary,
-                        sampling: Sampling) -> Optional[Callable[[int], Optional[int]]]:
+def row_choice_function(backend: Backend, prompt: Sequence[int], out: Summary, sampling: Sampling,
+                        constraint=None) -> Optional[Callable[[int], Optional[int]]]:
     """The speculative run's own verify row at a token, recomputed, where that can be done: a
-    torch speculative backend with exact acceptance whose run prefilled the whole prompt."""
+    torch speculative backend with exact acceptance whose run prefilled the whole prompt (under
+    the request's `constraint`, with the mask of the row's prefix)."""
     from specchat.backends.speculative.backend import SpeculativeBackend
     from specchat.backends.speculative.replay import verify_row_choice
 
@@ -140,7 +141,8 @@ def row_choice_function(backend: Backend, prompt: Sequence[int], out: Summary,
         return None  # rejection sampling is lossless in distribution, not seed-identical: no row decides alone
 
     def choice(i: int) -> Optional[int]:
-        return verify_row_choice(backend.target, prompt, out.token_ids, out.pass_log, i, sampling, backend.strict)
+        return verify_row_choice(backend.target, prompt, out.token_ids, out.pass_log, i, sampling, backend.strict,
+                                 constraint)
 
     return choice
 
@@ -182,7 +184,7 @@ def judge_replies(reference: Backend, request: Request, ref: Summary, other: Sum
     if other_backend is not None:
         arithmetic = shared_arithmetic(reference, other_backend, ref, other)
         if prompt:
-            row_choice = row_choice_function(other_backend, prompt, other, sampling)
+            row_choice = row_choice_function(other_backend, prompt, other, sampling, request.constraint)
     tie_margin = tie_margin if tie_margin is not None else tie_margin_of(reference)
     return judge_tokens(ref.token_ids, other.token_ids, reference.detokenize,
                         margin_at=None if scores_at else reported_margin_function(ref, sampling, tie_margin),

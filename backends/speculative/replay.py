@@ -11,24 +11,34 @@ run emitted, up to the pass that emitted token i; and returns the token that row
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
-from ..base import Sampling
+from ..base import Constraint, Sampling
+from ..constrained import target_matcher
 from ..native import sampling as sampler
 
 
 def verify_row_choice(target, prompt: Sequence[int], reply: Sequence[int], pass_log: Sequence[tuple[list[int], int]],
-                      index: int, sampling: Sampling, row_exact: bool) -> int:
+                      index: int, sampling: Sampling, row_exact: bool, constraint: Optional[Constraint] = None) -> int:
     """The token the row that emitted reply[index] chooses, recomputed on `target` (a TorchBackend
     whose cache this empties). `pass_log`: the run's (drafts, tokens emitted) per pass, the first
     being its prefill, which must have computed the whole prompt (Summary.prefill_start == 0);
-    `row_exact`: whether its verify passes were row-exact (strict verification)."""
+    `row_exact`: whether its verify passes were row-exact (strict verification); `constraint`: the
+    run's, whose mask after reply[:index] the row chose under."""
     if not 0 <= index < sum(n for _, n in pass_log):
         raise ValueError(f"token {index} is not in a reply of {sum(n for _, n in pass_log)} tokens")
+    allowed = None
+    if constraint is not None:
+        matcher = target_matcher(target, constraint)
+        matcher.advance(list(reply[:index]))
+        allowed = matcher.allowed()
+        allowed = None if allowed is None else allowed[None]
+    choose = (lambda states, pos: target.choose(states, [pos], sampling) if allowed is None
+              else target.choose(states, [pos], sampling, allowed))
     target.truncate(0)
     state, _ = target.forward(list(prompt), 0, all_logits=False, head=False)
     if index == 0:
-        return int(target.choose(state[-1:], [len(prompt)], sampling)[0])
+        return int(choose(state[-1:], len(prompt))[0])
     emitted = pass_log[0][1]
     for draft, count in pass_log[1:]:
         n = len(prompt) + emitted  # the committed tokens before this pass; the last one opens the block
@@ -36,7 +46,7 @@ def verify_row_choice(target, prompt: Sequence[int], reply: Sequence[int], pass_
         states, _ = target.forward([last] + list(draft), n - 1, row_exact=row_exact, head=False)
         if index < emitted + count:
             row = index - emitted
-            return int(target.choose(states[row:row + 1], [n + row], sampling)[0])
+            return int(choose(states[row:row + 1], n + row)[0])
         emitted += count
         target.truncate(n + count - 1)  # the cache holds every committed token but the last
     raise AssertionError("unreachable: the index lies in the reply")

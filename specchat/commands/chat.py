@@ -31,16 +31,16 @@ def cmd_repl(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("chat", **help_text.subcommand("chat"))
     p.add_argument("-p", "--profile")
-    add_constraint_flags(p)
+    add_constraint_flags(p, clearable=False)  # /schema off in the session
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("ab", **help_text.subcommand("ab"))
     p.add_argument("-p", "--profile", required=True)
     p.add_argument("-r", "--reference", help="reference profile (default: the same with speculation off)")
-    add_constraint_flags(p)
+    add_constraint_flags(p, clearable=False)  # /schema off in the session
     p.set_defaults(func=cmd_ab)
 
     p = sub.add_parser("repl", **help_text.subcommand("repl"))
     p.add_argument("-p", "--profile")
-    add_constraint_flags(p)
+    add_constraint_flags(p, clearable=False)  # /schema off in the session
     p.set_defaults(func=cmd_repl)

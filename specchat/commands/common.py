@@ -31,6 +31,8 @@ def overridden(profile, args):
             raise UsageError(f"--set {item!r}: expected KEY=VALUE, e.g. --set speculative.depth=3")
         settings[key.strip()] = yaml.safe_load(value)
     profile = profile.with_overrides(settings)
+    if getattr(args, "no_constraint", False):
+        profile = profile.model_copy(update={"constraint": None})
     constraint_of(profile)  # a constraint file gone bad: one line now, before any model loads
     return profile
 
@@ -66,8 +68,9 @@ def prompt_set(args):
 
     if args.prompts:
         items = load_prompts(args.prompts, args.limit, args.category)
-        if any(getattr(args, kind, None) is not None for kind in ("json_schema", "regex", "grammar")):
-            for item in items:  # the command line's constraint replaces the prompts' own
+        if getattr(args, "no_constraint", False) or any(getattr(args, kind, None) is not None
+                                                        for kind in ("json_schema", "regex", "grammar")):
+            for item in items:  # the command line's constraint (or none) replaces the prompts' own
                 item.constraint = None
         return items
     return [PromptItem("1", ["Explain speculative decoding in three sentences."]),

@@ -119,10 +119,13 @@ def streamed(events) -> Summary:
     return summary
 
 
-def compare(target, drafter, depth, sampling, messages=PROMPTS[0], acceptance="exact", prompt_ids=None):
-    """(reference summary, speculative summary, verdict) for one prompt (chat messages, or token ids)."""
+def compare(target, drafter, depth, sampling, messages=PROMPTS[0], acceptance="exact", prompt_ids=None,
+            constraint=None):
+    """(reference summary, speculative summary, verdict) for one prompt (chat messages, or token ids),
+    both runs under `constraint` where one is given."""
     spec = SpeculativeBackend(target, drafter, depth, acceptance)
-    request = Request(prompt_ids=prompt_ids) if prompt_ids is not None else Request(messages=messages)
+    request = (Request(prompt_ids=prompt_ids, constraint=constraint) if prompt_ids is not None
+               else Request(messages=messages, constraint=constraint))
     ref = streamed(fresh(target).stream(request, sampling))
     out = streamed(fresh(spec).stream(request, sampling))
     prompt = target.prompt_ids(request)
