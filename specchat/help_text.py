@@ -51,7 +51,9 @@ inside: /profile, /ab, /verify, /system, /save, /stats, /exit;
 examples:
   specchat run "Explain speculative decoding in one sentence."
   specchat run -p smollm2-ngram --stats "Write a haiku about a fast computer."
-  echo "What is 17 * 23?" | specchat run -p smollm2-mtp --json""",
+  echo "What is 17 * 23?" | specchat run -p smollm2-mtp --json
+  specchat run --json-schema person.json "Ada Lovelace, born 1815, as JSON"
+  specchat run --regex '[0-9]{3}-[0-9]{4}' 'Make up a phone number'""",
     "profiles": """\
 examples:
   specchat profiles           the table (* the default; broken ones and why)
@@ -65,6 +67,8 @@ examples:
   specchat bench -p smollm2 -p smollm2-ngram
   specchat bench -p smollm2-ngram -p smollm2-mtp --max-tokens 128
   specchat bench -p smollm2-mtp --prompts question.jsonl --limit 12 --json
+  specchat bench -p smollm2-ngram --prompts scripts/extraction-prompts.jsonl
+  specchat bench -p smollm2-ngram --prompts p.jsonl --no-constraint
 (question.jsonl: Spec-Bench's prompts, or any jsonl or text file; speed-ups
 are against target-only, measured in the same run)""",
     "ladder": """\
@@ -78,8 +82,10 @@ examples:
   specchat verify -p smollm2-mtp --prompts question.jsonl --limit 20
   specchat verify -p smollm2-draft -r smollm2 --json
   specchat verify -p smollm2-ngram --repeat 3  (does the target repeat itself?)
+  specchat verify -p smollm2-ngram --json-schema person.json --prompts p.jsonl
 (exit 0: identical, floating-point near-ties, or a target that does not
-reproduce itself, reported as such; exit 1: a mismatch)""",
+reproduce itself, reported as such; exit 1: a mismatch, or a reply that
+breaks its constraint)""",
     "train": """\
 examples (prompts, the target's replies to them, a drafter; docs/training.md):
   specchat train prompts --out runs/prompts.jsonl --count 200

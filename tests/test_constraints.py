@@ -174,3 +174,16 @@ def test_replies_valid_counts_both_sides(schema_file):
     assert out["replies"] == 2 and out["valid"] == 1
     assert out["invalid"] == [{"id": "7", "reply": "reference", "problem": summary_problem(c, bad)}]
     assert replies_valid([free]) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # two real-model verify runs; on a busy 2-core machine past the default
+@pytest.mark.parametrize("profile", ["smollm2-ngram", "smollm2-mtp-lookup"])
+def test_verify_under_a_schema_on_the_default_model(default_gguf, profile, capsys):
+    """`specchat verify -p P --json-schema S --prompts P`: no mismatch, every reply valid."""
+    prompts = REPO / "scripts" / "extraction-prompts.jsonl"
+    code = cli.main(["verify", "-p", profile, "--json-schema", str(REPO / "scripts" / "schemas" / "contact.json"),
+                     "--prompts", str(prompts), "--category", "contact", "--limit", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["mismatches"] == 0 and out["prompts"] == 2
+    assert out["constraint"] == {"replies": 4, "valid": 4, "invalid": []}
