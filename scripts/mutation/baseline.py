@@ -40,6 +40,8 @@ TEST_FILES = [
     "tests/speculative/test_gate.py",
     "tests/speculative/test_replay.py",
     "tests/speculative/test_parity.py",
+    "tests/test_constraint.py",
+    "tests/speculative/test_constrained_parity.py",
     "tests/test_verify.py",
     "tests/speculative/test_drafters.py",
     "tests/test_cli.py::test_verify_says_whether_verification_was_strict",  # judge_replies via `verify`

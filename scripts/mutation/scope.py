@@ -17,6 +17,7 @@ SCOPES: dict[str, list[str] | None] = {
     "backends/speculative/drafters.py": ["NgramDrafter", "ModelBehind", "LookupFirst", "SuffixDrafter", "SuffixFirst",
                                          "DraftModelDrafter"],
     "backends/speculative/suffix.py": ["SuffixIndex"],
+    "backends/constrained.py": ["RowMasks", "masked_probs"],  # each verify row's mask from its own prefix
     "backends/speculative/ngram.py": None,
     "backends/speculative/mtp.py": ["MtpDrafter"],
     "backends/speculative/dflash.py": ["DFlashDrafter", "ContextCache"],
