@@ -108,13 +108,19 @@ class TorchBackend(Backend):
         dtype = torch.bfloat16 if self.precision == "int4" else getattr(torch, self.precision)
         self._context = min(context, ck.cfg.max_position) if ck.cfg.max_position else context
         no_graphs = None  # why compile: true cannot be had
-        if (ck.cfg.hybrid or ck.cfg.moe) and compile:
-            no_graphs = (f"{path.name} is a {'hybrid (linear-attention)' if ck.cfg.hybrid else 'mixture-of-experts'} "
-                         "model, whose compiled decode graphs specchat does not build yet; set compile: false")
+        if ck.cfg.moe and compile:
+            no_graphs = (f"{path.name} is a mixture-of-experts model, whose compiled decode graphs specchat does "
+                         "not build yet; set compile: false")
+        elif ck.cfg.hybrid and compile and (rollback == "replay" or self.device.type != "cpu"):  # graph_state.py
+            no_graphs = (f"{path.name} is a hybrid (linear-attention) model, whose compiled decode graphs run on "
+                         "CPU and roll back with snapshots; set rollback: snapshot (or auto), or compile: false")
+        if no_graphs:
             if not compile_in_background:
                 raise BackendError(no_graphs)
             compile = False  # a chat answers on eager passes and says why, as without a compiler
         self.rollback = DEFAULT_ROLLBACK[self.device.type] if rollback == "auto" else rollback
+        # a hybrid's layer layout (L: linear attention, A: attention), which shapes its graphs' inputs
+        ck_layout = "".join("LA"[not ck.cfg.is_linear(i)] for i in range(ck.cfg.n_layers)) if ck.cfg.hybrid else ""
         self.model: Transformer = build_model(ck, dtype, self._context, int4=self.precision == "int4",
                                               device=self.device, rollback=self.rollback)
         del ck
@@ -127,7 +133,8 @@ class TorchBackend(Backend):
         self.compile_planned = self.device.type == "cpu" and compile and self.precision in ROW_INVARIANT_PRECISIONS
         self.graph_store = None if cache_dir is None or not self.compile_planned else GraphStore(
             cache_dir, path, dict(precision=self.precision, context=self._context, rollback=self.rollback,
-                                  attention=self.model.attention_mode, kernel=self.model.kernel))
+                                  attention=self.model.attention_mode, kernel=self.model.kernel,
+                                  **({"layers": ck_layout} if ck_layout else {})))
         self.in_background = compile_in_background and self.graph_store is not None
         self.wanted: list[Variant] = []  # the graphs asked for so far (warm_up)
         self.background_planned = False  # graphs to prepare in the background (prepare_in_background)
@@ -150,8 +157,10 @@ class TorchBackend(Backend):
         from .exact_rows import key_span
 
         variants = [Variant(True, hidden)]
-        # row-exact verify blocks, where they can be compiled (the example's rows 6..8 in one row group)
-        if self.row_exact_supported and key_span(7, self.model.max_len) == key_span(9, self.model.max_len):
+        # row-exact verify blocks, where they can be compiled (the example's rows 6..8 in one row group);
+        # a hybrid's run through the one-row graph (graph_state.py)
+        if (self.row_exact_supported and not self.model.cfg.hybrid
+                and key_span(7, self.model.max_len) == key_span(9, self.model.max_len)):
             variants.append(Variant(False, hidden))
         return variants
 
@@ -278,7 +287,8 @@ class TorchBackend(Backend):
         """Whether forward(..., row_exact=True) gives single-token passes' bits here (exact_rows.py's terms)."""
         m = self.model
         return (self.device.type == "cpu" and self.precision in ROW_INVARIANT_PRECISIONS and not m.static
-                and (m.attention_calls_shared or not self.compile_planned) and model_matmuls_keep_row_bits(m))
+                and (m.attention_calls_shared or not self.compile_planned or m.cfg.hybrid)
+                and model_matmuls_keep_row_bits(m))
 
     @property
     def cache_len(self) -> int:
@@ -333,7 +343,8 @@ class TorchBackend(Backend):
 
     def restart_point(self, n: int) -> int:
         """The longest prefix of at most n cached positions a pass can start after: n, except on a
-        hybrid model, whose recurrent state only returns to the positions of its last pass (or 0)."""
+        hybrid model, whose recurrent state returns to its last pass's positions, its turn
+        checkpoints (where recent prefills started and ended) or 0 (recurrent_state.py)."""
         with self.turn:
             return self.model.cache.restart_point(min(n, self.cache_len))
 

@@ -270,6 +270,9 @@ class CompiledRowGraphs:
     exporting fails, or for a call outside an exported graph's ranges, torch.compile compiles the
     same function in process at its first call (the same kernels, so the same bits)."""
 
+    function = staticmethod(all_layers)  # what the graphs compute (graph_state.HybridRowGraphs: more)
+    hybrid = False
+
     def __init__(self, model, store: GraphStore | None = None):
         self.model = model
         self.store = store
@@ -279,7 +282,7 @@ class CompiledRowGraphs:
     @property
     def graph(self) -> Callable:
         if self._graph is None:
-            self._graph = torch.compile(all_layers, dynamic=True, fullgraph=True,
+            self._graph = torch.compile(self.function, dynamic=True, fullgraph=True,
                                         options=COMPILE_OPTIONS | {"guard_filter_fn": first_layer_guards})
             self.mark_static()
         return self._graph
@@ -295,11 +298,12 @@ class CompiledRowGraphs:
         """Weights, tables and caches never change shape: tell dynamo, so that only the number of
         rows, the position and the key count are symbols in the compiled graphs (and so guarded).
         Called again whenever the model gets a new cache."""
+        from .linear import Linear
+
         m = self.model
         tensors = [m.embed, m.rope_cos, m.rope_sin, *m.cache.k, *m.cache.v, *m.parameters()]
-        for layer in m.layers:
-            for lin in (layer.attention.qkv, layer.attention.o, layer.mlp.gate_up, layer.mlp.down):
-                tensors += [lin.dense, lin.q4, *(lin.int4 or ())[:2]]
+        for lin in (x for x in m.layers.modules() if isinstance(x, Linear)):
+            tensors += [lin.dense, lin.q4, *(lin.int4 or ())[:2]]
         for t in tensors:
             while isinstance(t, Tensor):  # and what it is a view of: dynamo traces views from their base
                 torch._dynamo.mark_static(t)
@@ -321,24 +325,25 @@ class CompiledRowGraphs:
             return x, {i: hiddens[0][i] for i in layers}
         return x, {i: torch.cat([h[i] for h in hiddens]) for i in layers}
 
-    def _run(self, rows: Tensor, pos: int, n_keys: int, mask: Tensor, keep_hidden: bool):
+    def _run(self, rows: Tensor, pos: int, n_keys: int, mask: Tensor, keep_hidden: bool, states: tuple | None = None):
+        """One call of a graph; `states`: a hybrid's (conv, ssm) lists (graph_state.py)."""
         graph = self.ready.get(Variant(rows.shape[0] == 1, keep_hidden))
         if graph is not None and graph.fits(rows.shape[0], pos):
-            return graph(self.model, rows, pos, n_keys, mask, keep_hidden)
+            return graph(self.model, rows, pos, n_keys, mask, keep_hidden, states)
         # the model width is no symbol: dynamo would tie it to an equal key count and specialize both
         torch._dynamo.mark_static(rows, 1)
         # floats as constants, as exported graphs have them; it also spares a second trace
         with torch._dynamo.config.patch(specialize_float=True):
-            return self.graph(self.model, rows, pos, n_keys, mask, keep_hidden)
+            return self.graph(self.model, rows, pos, n_keys, mask, keep_hidden, *(states or ()))
 
     # ---- making a graph ready before its first call ----
 
-    def example(self, variant: Variant) -> tuple[Tensor, int, int, Tensor, bool]:
+    def example(self, variant: Variant) -> tuple[Tensor, int, int, Tensor, bool, tuple | None]:
         """Inputs for one call of `variant` at fixed positions (unequal row count, position and key
-        count, so that dynamo ties no symbols together): rows of token ids 1.. embedded. Zeroes
-        the cache's first keys and values, which the rows see (so that the output, a stored
-        graph's fingerprint, is the same in every process whatever ran before), and writes the
-        cache at the rows' positions."""
+        count, so that dynamo ties no symbols together): rows of token ids 1.. embedded, and the
+        recurrent state where the graph takes one (None here; graph_state.py). Zeroes the cache's first keys and values, which the rows see
+        (so that the output, a stored graph's fingerprint, is the same in every process whatever
+        ran before), and writes the cache at the rows' positions."""
         m = self.model
         K, pos = (1, 5) if variant.one_row else (3, 6)
         lo, hi, n_keys, mask = row_groups(pos, K, m.max_len, m.device, m.cache_dtype,
@@ -347,7 +352,10 @@ class CompiledRowGraphs:
             if cache is not None:
                 cache[:, :, :n_keys].zero_()
         rows = m.embed[torch.arange(1, K + 1, device=m.device)].float()
-        return rows, pos, n_keys, mask, variant.keep_hidden
+        return rows, pos, n_keys, mask, variant.keep_hidden, self.example_states()
+
+    def example_states(self) -> tuple | None:
+        return None
 
     @torch.inference_mode()
     def prepare(self, variant: Variant) -> None:
@@ -364,8 +372,9 @@ class CompiledRowGraphs:
         graph = self.store.load(variant, load, check)
         if graph is None:
             try:
-                write = lambda path: export_graph(all_layers, self.model, variant.one_row,  # noqa: E731
-                                                  variant.keep_hidden, self.example(variant)[:4], path)
+                example = self.example(variant)
+                write = lambda path: export_graph(self.function, self.model, variant.one_row,  # noqa: E731
+                                                  variant.keep_hidden, example[:4], path, example[5])
                 graph = self.store.save(variant, write, load, check)
             except Exception:  # noqa: BLE001 - torch's exporting is young: compile as usual instead
                 log.info("decode graph %s could not be exported and stored; compiling it in process", variant,

@@ -11,6 +11,8 @@ generates: the rows get the same bits). Loading is a `dlopen`; it needs no `torc
 Every tensor the graph reads is an input, never a constant: the weights and tables (`graph_tensors`,
 in a fixed order) and the KV cache, which the graph writes in place. So a package holds no weights
 (a few MB), serves any model of the same shapes, and reads the engine's own tensors at every call.
+On a hybrid model (graph_state.py) the linear-attention layers' recurrent state is an input too,
+and the state after the row an output (never written in place: the rollback keeps earlier ones).
 
 Sizes are the only inputs an exported graph can take as symbols, so the position is passed as the
 length of an empty tensor (`position_input`); offset by 2 so that it is never 0 or 1, sizes torch
@@ -68,14 +70,25 @@ def graph_tensors(model) -> list[Slot]:
     return slots
 
 
+def attention_caches(model) -> tuple[list[Tensor], list[Tensor]]:
+    """The keys and values of the attention layers (a hybrid's linear layers have none)."""
+    return [t for t in model.cache.k if t is not None], [t for t in model.cache.v if t is not None]
+
+
+def with_gaps(model, tensors: list[Tensor]) -> list[Tensor | None]:
+    """`tensors` (attention layers only) laid out as the cache's per-layer lists, None where a linear layer is."""
+    items = iter(tensors)
+    return [None if t is None else next(items) for t in model.cache.k]
+
+
 @contextlib.contextmanager
 def tensors_in(model, slots: list[Slot], tensors: list[Tensor], k: list[Tensor], v: list[Tensor]) -> Iterator[None]:
-    """The model reading `tensors` in `slots` and the cache `k`, `v`, while tracing."""
+    """The model reading `tensors` in `slots` and the cache `k`, `v` (attention layers only), while tracing."""
     saved, cache = [s.get() for s in slots], (model.cache.k, model.cache.v)
     try:
         for slot, t in zip(slots, tensors):
             slot.put(t)
-        model.cache.k, model.cache.v = list(k), list(v)
+        model.cache.k, model.cache.v = with_gaps(model, k), with_gaps(model, v)
         yield
     finally:
         for slot, t in zip(slots, saved):
@@ -87,11 +100,12 @@ def position_input(pos: int) -> Tensor:
     return torch.empty(1).expand(pos + POSITION_OFFSET)
 
 
-def export_graph(all_layers: Callable, model, one_row: bool, keep_hidden: bool, example: tuple, path: str) -> None:
-    """Export `all_layers` (exact_rows.all_layers) for `model` (rows of one key span; `example`:
-    rows, position, key count, mask as `CompiledRowGraphs.example` makes them) and compile it to an
-    AOTInductor package at `path`. Minutes on a small model (a single-token graph ~1 min for
-    SmolLM2-135M on 2 cores)."""
+def export_graph(all_layers: Callable, model, one_row: bool, keep_hidden: bool, example: tuple, path: str,
+                 states: tuple | None = None) -> None:
+    """Export `all_layers` (exact_rows.all_layers, or graph_state.hybrid_layers with `states`: a
+    hybrid's (conv, ssm) lists) for `model` (rows of one key span; `example`: rows, position, key
+    count, mask as `CompiledRowGraphs.example` makes them) and compile it to an AOTInductor package
+    at `path`. Minutes on a small model (a single-token graph ~1 min for SmolLM2-135M on 2 cores)."""
     import torch._inductor
     from torch.export import Dim
 
@@ -99,10 +113,11 @@ def export_graph(all_layers: Callable, model, one_row: bool, keep_hidden: bool, 
     n_layers = len(model.layers)
 
     class AllLayers(nn.Module):
-        def forward(self, x, pos, mask, tensors, k, v):
+        def forward(self, x, pos, mask, tensors, k, v, conv=(), ssm=()):
             with tensors_in(model, slots, tensors, k, v):
-                out, every = all_layers(model, x, pos.shape[0] - POSITION_OFFSET, mask.shape[-1], mask, keep_hidden)
-            return (out, *(every[i] for i in range(n_layers))) if keep_hidden else (out,)
+                args = (model, x, pos.shape[0] - POSITION_OFFSET, mask.shape[-1], mask, keep_hidden)
+                out, every, *state = all_layers(*args, conv, ssm) if states is not None else all_layers(*args)
+            return (out, *(every[i] for i in range(n_layers) if keep_hidden), *(t for part in state for t in part))
 
     rows, pos, n_keys, mask = example
     kv, group = model.cfg.n_kv_heads, model.cfg.n_heads // model.cfg.n_kv_heads
@@ -119,13 +134,15 @@ def export_graph(all_layers: Callable, model, one_row: bool, keep_hidden: bool, 
         positions = Dim("pos", min=POSITION_OFFSET, max=max_len - 2 + POSITION_OFFSET)
     tensors = [s.get() for s in slots]
     # copies of the cache: an input that is also the model's attribute would be taken for a constant
-    k = [t.clone() for t in model.cache.k]
-    v = [t.clone() for t in model.cache.v]
+    k, v = ([t.clone() for t in ts] for ts in attention_caches(model))
     dynamic = {"x": row_dims, "pos": {0: positions}, "mask": mask_dims,
                "tensors": [None] * len(tensors), "k": [None] * len(k), "v": [None] * len(v)}
+    inputs = (rows, position_input(pos), mask, tensors, k, v)
+    if states is not None:
+        inputs += tuple(list(part) for part in states)
+        dynamic.update(conv=[None] * len(states[0]), ssm=[None] * len(states[1]))
     with torch.no_grad():
-        program = torch.export.export(AllLayers(), (rows, position_input(pos), mask, tensors, k, v),
-                                      dynamic_shapes=dynamic, strict=False)
+        program = torch.export.export(AllLayers(), inputs, dynamic_shapes=dynamic, strict=False)
     torch._inductor.aoti_compile_and_package(program, package_path=os.fspath(path))
 
 
@@ -148,7 +165,17 @@ class ExportedGraph:
             return rows == 1 and 0 <= pos < self.max_len
         return 2 <= rows <= min(MAX_ROWS, self.max_len) and 0 <= pos <= self.max_len - rows
 
-    def __call__(self, model, x: Tensor, pos: int, n_keys: int, mask: Tensor, keep_hidden: bool
-                 ) -> tuple[Tensor, dict[int, Tensor]]:
-        outputs = self.runner.run([x, position_input(pos), mask, *self.tensors, *model.cache.k, *model.cache.v])
-        return outputs[0], dict(enumerate(outputs[1:])) if keep_hidden else {}
+    def __call__(self, model, x: Tensor, pos: int, n_keys: int, mask: Tensor, keep_hidden: bool,
+                 states: tuple | None = None) -> tuple:
+        """(last layer's output, {layer: output} if keep_hidden) and, with `states` (a hybrid's
+        (conv, ssm) lists before the row), (conv, ssm, input rows) lists after it."""
+        k, v = attention_caches(model)
+        extra = [t for part in states for t in part] if states is not None else []
+        outputs = self.runner.run([x, position_input(pos), mask, *self.tensors, *k, *v, *extra])
+        n = len(model.layers) if keep_hidden else 0
+        every = dict(enumerate(outputs[1:1 + n]))
+        if states is None:
+            return outputs[0], every
+        L = len(states[0])
+        rest = outputs[1 + n:]
+        return outputs[0], every, rest[:L], rest[L:2 * L], rest[2 * L:3 * L]

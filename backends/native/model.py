@@ -25,6 +25,7 @@ from .config import ModelConfig
 from .exact_rows import KERNEL_MODE, CompiledRowGraphs, RowGroup, attend_rows, probe_attention_mode, row_groups
 from .q4_kernel import attention_kernel_fits
 from .gated_delta import RecurrentDecoderLayer
+from .graph_state import HybridRowGraphs
 from .graph_store import GraphStore
 from .layers import Attend, DecoderLayer, RMSNorm, rope_inv_freq, rope_tables
 from .linear import Linear
@@ -140,6 +141,9 @@ class Transformer(nn.Module):
         self.static = False  # see use_static_shapes
         self._static_pass = self.run_layers
         self.compiled: CompiledRowGraphs | None = None  # see use_compiled_rows
+        # the pass under way is a prefill (several rows, only the last one's output wanted): a hybrid
+        # keeps its recurrent state at the pass's start and end as turn checkpoints (recurrent_state.py)
+        self.prefilling = False
         self.inv_freq = rope_inv_freq(cfg)
         self.setup_cache(max_len)
         # how a row-exact pass shares attention calls between rows (exact_rows.ATTENTION_MODES)
@@ -173,7 +177,7 @@ class Transformer(nn.Module):
     def use_compiled_rows(self, store: GraphStore | None = None) -> None:
         """CPU: single-token passes and row-exact blocks through compiled graphs (exact_rows.py),
         kept in `store` between runs (graph_store.py); prefill and non-exact verify blocks stay eager."""
-        self.compiled = CompiledRowGraphs(self, store)
+        self.compiled = (HybridRowGraphs if self.cache.recurrent is not None else CompiledRowGraphs)(self, store)
 
     def setup_cache(self, max_len: int) -> None:
         """(Re)allocate the KV cache for `max_len` positions and the RoPE tables to match."""
@@ -250,6 +254,7 @@ class Transformer(nn.Module):
                              f"{self.cache.length} / {self.cache.max_len}")
         x = self.embed[tokens.reshape(-1)].float()
         layers = tuple(hidden_layers)
+        self.prefilling = K > 1 and not all_logits
         if self.static:
             write = torch.arange(start_pos, end, device=self.device)
             mask = torch.arange(self.cache.max_len, device=self.device)[None, :] <= write[:, None]
@@ -261,8 +266,9 @@ class Transformer(nn.Module):
             groups = row_groups(start_pos, K, self.cache.max_len, self.device, self.cache_dtype,
                                 (self.cfg.n_kv_heads, self.cfg.n_heads // self.cfg.n_kv_heads))
             # compiled graphs give rows their bits only with shared attention calls, padded or not (a
-            # call per row would specialize the graph on the number of rows): without, exact blocks run eager
-            if self.compiled is not None and (K == 1 or self.attention_calls_shared):
+            # call per row would specialize the graph on the number of rows): without, exact blocks run
+            # eager; a hybrid's rows go through the one-row graph one by one (graph_state.py)
+            if self.compiled is not None and (K == 1 or self.attention_calls_shared or self.compiled.hybrid):
                 x, hidden = self.compiled(x, start_pos, groups, [i for i in layers if i != FINAL])
             else:
                 x, hidden = self.run_layers(x, slice(start_pos, end), end, None, layers, groups)
@@ -293,7 +299,7 @@ class Transformer(nn.Module):
         recurrent = self.cache.recurrent
         chunked = groups is None and x.shape[0] > CHUNKED_FROM
         if recurrent is not None:
-            recurrent.begin(span - x.shape[0], x.shape[0], window=not chunked)
+            recurrent.begin(span - x.shape[0], x.shape[0], window=not chunked, turn=self.prefilling)
         linear = 0
         for i, layer in enumerate(self.layers):
             if isinstance(layer, RecurrentDecoderLayer):

@@ -207,8 +207,9 @@ def test_what_the_engine_cannot_run_is_named(tmp_path):
 def test_settings_that_do_not_apply_say_so(hybrid_dirs):
     with pytest.raises(BackendError, match="unknown rollback 'undo'"):
         engine(hybrid_dirs["qwen3_5"], rollback="undo")
-    with pytest.raises(BackendError, match="hybrid .* set compile: false"):
-        TorchBackend(hybrid_dirs["qwen3_5"], "hf_dir", precision="bfloat16", threads=2, context=64, compile=True)
+    with pytest.raises(BackendError, match="hybrid .* roll back with snapshots; set rollback: snapshot .* compile: false"):
+        TorchBackend(hybrid_dirs["qwen3_5"], "hf_dir", precision="bfloat16", threads=2, context=64, compile=True,
+                     rollback="replay")
 
 
 def test_block_memory_is_stated_for_both_modes(hybrid_dirs):
@@ -238,3 +239,40 @@ def test_held_positions_span_consecutive_passes(hybrid_dirs, mode):
     for i in range(25, 40):  # past the span, the window starts again at the latest pass
         e.forward([ids[i]], i)
     assert e.restart_point(39) == 39 and e.restart_point(30) == 0
+
+
+@pytest.mark.parametrize("mode", ROLLBACK_MODES)
+def test_changed_reply_restarts_from_the_turn_boundary(hybrid_dirs, mode):
+    """A chat whose template re-renders the last reply (here: another text in its place) restarts
+    from the checkpoint where that reply started, not from position 0, and replies as a fresh engine."""
+    path = hybrid_dirs["qwen3_5"]
+    e = engine(path, mode)
+    turn = [{"role": "user", "content": "hello world, how are you today?"}]
+    first = e.prompt_ids(Request(messages=turn))
+    reply = run_to_summary(e.stream(Request(messages=turn), Sampling(max_tokens=12)))
+    assert reply.prefill_start == 0 and e.cache_len > len(first)
+    convo = turn + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "the lazy dog"}]
+    second = e.prompt_ids(Request(messages=convo))
+    assert second[:len(first)] == first and second[len(first)] != reply.token_ids[0]  # changed after the boundary
+    sampling = Sampling(temperature=0.8, seed=4, max_tokens=12)
+    again = run_to_summary(e.stream(Request(messages=convo), sampling))
+    assert again.prefill_start == len(first)
+    assert again.token_ids == run_to_summary(engine(path, mode).stream(Request(messages=convo), sampling)).token_ids
+
+
+def test_turn_checkpoints_are_bounded_and_dropped_past_a_rollback(hybrid_dirs):
+    from specchat.backends.native.recurrent_state import MAX_CHECKPOINTS
+
+    e = engine(hybrid_dirs["qwen3_5"])
+    state = e.model.cache.recurrent
+    ids = random_ids(120)
+    for start in range(0, 100, 10):  # ten prefills of ten rows, each after the last
+        e.forward(ids[start:start + 10], start, all_logits=False)
+    assert sorted(state.turns) == [70, 80, 90, 100][-MAX_CHECKPOINTS:]
+    assert [e.restart_point(n) for n in (95, 85, 69)] == [95, 80, 0]  # 90..100: the last pass's window
+    e.truncate(e.restart_point(85))  # the checkpoints after 80 belong to text that is gone
+    assert e.cache_len == 80 and sorted(state.turns) == [70, 80]
+    got, _ = e.forward(ids[80:84], 80)
+    want, _ = engine(hybrid_dirs["qwen3_5"]).forward(ids[:84], 0)
+    assert (got - want[-4:]).abs().max() < ATOL
+    assert state.checkpoint_bytes() > 0
