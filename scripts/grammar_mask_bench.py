@@ -5,7 +5,11 @@ reply token by token: fill the next-token bitmask, advance by the reply's token.
 `--rollback-every` tokens both roll back 3 tokens and advance again, as a speculative loop does
 after rejected drafts. Reported: compile time and microseconds per mask fill / advance / rollback.
 
-    python scripts/grammar_mask_bench.py [--model GGUF] [--repeats 5]
+    python scripts/grammar_mask_bench.py [--model GGUF] [--repeats 5] [--engine]
+
+--engine: also what a constrained token costs specchat's torch engine on top of an unconstrained
+one: the matcher's mask (fill and unpack) and the LM head's choice under it, against the head's
+unmasked choice (greedy, the int8 argmax head's fast path), over the same reply.
 """
 from __future__ import annotations
 
@@ -108,6 +112,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(Path.home() / ".cache/specchat/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rollback-every", type=int, default=4)
+    ap.add_argument("--engine", action="store_true", help="also the torch engine's cost of a constrained token")
     args = ap.parse_args()
     import sys
 
@@ -132,6 +137,40 @@ def main() -> None:
               f"{statistics.median(compiles) * 1e3:7.1f} ms; median us per token: mask {us(fills)} "
               f"(p90 {sorted(fills)[int(len(fills) * 0.9)] * 1e6:.1f}), advance {us(advances)}, "
               f"rollback(3) {us(rollbacks)}")
+    if args.engine:
+        bench_engine(args.model, ids, args.repeats)
+
+
+def bench_engine(model: str, ids: list[int], repeats: int) -> None:
+    from specchat.backends.base import Constraint, Sampling
+    from specchat.backends.constrained import target_matcher
+    from specchat.backends.native.engine import TorchBackend
+    from specchat.paths import cache_dir
+
+    engine = TorchBackend(model, cache_dir=cache_dir())
+    prompt = engine.tokenize_chat([{"role": "user", "content": "Ada Lovelace as JSON"}])
+    states, _ = engine.forward(prompt + ids, 0, head=False)  # the reply's rows: one state per position
+    rows = states[len(prompt) - 1:len(prompt) - 1 + len(ids)]
+    s = Sampling()
+    masks, free, masked = [], [], []
+    for _ in range(repeats):
+        matcher = target_matcher(engine, Constraint("json_schema", json.dumps(SCHEMA), "bench"))
+        for i, tok in enumerate(ids):
+            state = rows[i:i + 1]
+            t = time.perf_counter()
+            allowed = matcher.allowed()[None]
+            masks.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            engine.choose(state, [i], s)
+            free.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            engine.choose(state, [i], s, allowed)
+            masked.append(time.perf_counter() - t)
+            matcher.advance([tok])
+    med = lambda xs: statistics.median(xs) * 1e6  # noqa: E731
+    print(f"engine ({engine.precision}): median us per token: mask {med(masks):.1f}, head choice unmasked "
+          f"{med(free):.1f}, masked {med(masked):.1f}; a constrained token costs {med(masks) + med(masked) - med(free):.1f} us "
+          "more than a free one (a one-token pass of the model itself: several milliseconds)")
 
 
 if __name__ == "__main__":

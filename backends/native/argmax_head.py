@@ -85,9 +85,23 @@ class ArgmaxHead:
         `allowed`: bool [rows, vocab], the only tokens each row may choose (a constraint's mask);
         every row has at least one."""
         x = states.float()
-        if s.greedy and self.tiles is not None and allowed is None:  # every step in one call of specchat's kernel
+        if allowed is not None:
+            # where the free choice is allowed it is the best allowed token too (the first best of
+            # all, so of the allowed); only the other rows are chosen again among allowed tokens
+            free = self.choose(x, positions, s)
+            again = ~allowed.gather(1, free[:, None]).squeeze(1)
+            if bool(again.any()):
+                rows = again.nonzero().squeeze(1)
+                free[rows] = self._choose(x[rows], [positions[i] for i in rows.tolist()], s, allowed[rows])
+            return free
+        if s.greedy and self.tiles is not None:  # every step in one call of specchat's kernel
             return torch.ops.specchat.head_choose(x, self.tiles, self.scale32, self.norms, self.weight, self.gamma,
                                                   self.own_gamma, _SLACK, _SCORE_SLACK)
+        return self._choose(x, positions, s)
+
+    def _choose(self, x: Tensor, positions: Sequence[int], s: Sampling, allowed: Tensor | None = None) -> Tensor:
+        """`choose` through the int8 logits' bounds: only tokens whose score could be the best (and
+        that `allowed` allows) get their float32 logits computed."""
         approx, bound = self._approx(x)
         high, low = approx + bound, approx - bound  # each token's logit lies in between
         if allowed is not None:  # a forbidden token is never a candidate: -inf at both ends
