@@ -46,8 +46,8 @@ def target_only_stream(engine, prompt: Sequence[int], sampling: Sampling, cancel
                 allowed = allowed[None]
             token = int(engine.choose(state, [pos], sampling, allowed)[0])
             yield token
-            if matcher is not None and token not in engine.eos_ids:
-                matcher.advance([token])
+            if matcher is not None and token not in engine.eos_ids and matcher.advance([token]) != 1:
+                raise RuntimeError(f"the engine chose token {token}, which the constraint's mask forbade")
             state, _ = engine.forward([token], pos, all_logits=False, head=False)
             pos += 1
 
@@ -90,7 +90,7 @@ class RowMasks:
             if token in eos_ids:
                 self.draft = self.draft[:i]
                 break
-            if not mask[token]:  # forbidden: rejected at this row, whatever comes after it is never read
+            if token >= len(mask) or not mask[token]:  # forbidden: rejected at this row, the rest never read
                 self.draft = self.draft[:i + 1]
                 masks.append(mask)  # a stand-in for the row after it, which no verdict can reach
                 break
