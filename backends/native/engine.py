@@ -111,9 +111,11 @@ class TorchBackend(Backend):
         if ck.cfg.moe and compile:
             no_graphs = (f"{path.name} is a mixture-of-experts model, whose compiled decode graphs specchat does "
                          "not build yet; set compile: false")
-        elif ck.cfg.hybrid and compile and (rollback == "replay" or self.device.type != "cpu"):  # graph_state.py
-            no_graphs = (f"{path.name} is a hybrid (linear-attention) model, whose compiled decode graphs run on "
-                         "CPU and roll back with snapshots; set rollback: snapshot (or auto), or compile: false")
+        elif ck.cfg.hybrid and compile and (rollback == "replay" or self.device.type != "cpu"  # graph_state.py
+                                            or self.precision not in ROW_INVARIANT_PRECISIONS):
+            no_graphs = (f"{path.name} is a hybrid (linear-attention) model, whose compiled decode graphs run on CPU "
+                         "in bfloat16 or int4 and roll back with snapshots; set dtype: bfloat16 and rollback: snapshot "
+                         "(or auto), or compile: false")
         if no_graphs:
             if not compile_in_background:
                 raise BackendError(no_graphs)
@@ -157,8 +159,7 @@ class TorchBackend(Backend):
         from .exact_rows import key_span
 
         variants = [Variant(True, hidden)]
-        # row-exact verify blocks, where they can be compiled (the example's rows 6..8 in one row group);
-        # a hybrid's run through the one-row graph (graph_state.py)
+        # row-exact verify blocks, where they can be compiled (a hybrid's run on the one-row graph: graph_state.py)
         if (self.row_exact_supported and not self.model.cfg.hybrid
                 and key_span(7, self.model.max_len) == key_span(9, self.model.max_len)):
             variants.append(Variant(False, hidden))

@@ -207,9 +207,11 @@ def test_what_the_engine_cannot_run_is_named(tmp_path):
 def test_settings_that_do_not_apply_say_so(hybrid_dirs):
     with pytest.raises(BackendError, match="unknown rollback 'undo'"):
         engine(hybrid_dirs["qwen3_5"], rollback="undo")
-    with pytest.raises(BackendError, match="hybrid .* roll back with snapshots; set rollback: snapshot .* compile: false"):
-        TorchBackend(hybrid_dirs["qwen3_5"], "hf_dir", precision="bfloat16", threads=2, context=64, compile=True,
-                     rollback="replay")
+    for precision, rollback in (("bfloat16", "replay"), ("float32", "snapshot")):
+        with pytest.raises(BackendError, match="hybrid .* bfloat16 or int4 and roll back with snapshots; set .* "
+                                               "compile: false"):
+            TorchBackend(hybrid_dirs["qwen3_5"], "hf_dir", precision=precision, threads=2, context=64, compile=True,
+                         rollback=rollback)
 
 
 def test_block_memory_is_stated_for_both_modes(hybrid_dirs):
