@@ -11,7 +11,7 @@ from specchat.backends.base import BackendError, Request, Sampling, run_to_summa
 from specchat.backends.native.engine import TorchBackend
 from specchat.backends.native.model import CHUNKED_FROM
 from specchat.backends.native.recurrent_state import ROLLBACK_MODES
-from tests.native.tiny import HYBRIDS, hybrid_config, make_hybrid_checkpoint, make_tokenizer
+from tests.native.tiny import HYBRIDS, assert_reply_and_logits_match, hybrid_config, make_hybrid_checkpoint, make_tokenizer
 
 # float32 engine vs transformers' float32 forward: the same math, summed in other orders
 ATOL = 1e-4
@@ -43,20 +43,7 @@ def test_greedy_reply_and_its_logits_equal_transformers(hybrid_dirs, family):
     of it (prefill, then one-token decode) is transformers' within ATOL."""
     path = hybrid_dirs[family]
     ref, e = transformers_model(path), engine(path)
-    request = Request(messages=[{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}])
-    prompt = e.prompt_ids(request)
-    reply = run_to_summary(e.stream(request, Sampling(max_tokens=40)))
-    with torch.no_grad():
-        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
-                                eos_token_id=sorted(e.eos_ids), pad_token_id=0)[0, len(prompt):].tolist()
-    assert reply.token_ids == expected[:len(reply.token_ids)] and len(reply.token_ids) >= 10
-    ids = prompt + reply.token_ids
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0]
-    e.truncate(0)
-    got = [e.forward(ids[:len(prompt)], 0)[0]]
-    got += [e.forward([t], len(prompt) + i)[0] for i, t in enumerate(reply.token_ids)]
-    assert (torch.cat(got) - want).abs().max() < ATOL
+    assert_reply_and_logits_match(e, ref, max_tokens=40, atol=ATOL)
 
 
 @pytest.mark.parametrize("family", HYBRIDS)

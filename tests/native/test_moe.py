@@ -8,6 +8,7 @@ import torch
 from specchat.backends.base import BackendError, Request, Sampling, run_to_summary
 from specchat.backends.native.engine import TorchBackend
 from specchat.backends.native.moe import RoutedExperts, Router
+from tests.native.tiny import assert_reply_and_logits_match
 from tests.native.tiny_moe import MOE_FAMILIES, fuse_experts, make_moe_checkpoint, moe_config
 
 # float32 engine vs transformers' float32 forward: the same math, summed in other orders
@@ -38,20 +39,7 @@ def test_greedy_reply_and_its_logits_equal_transformers(moe_dirs, family):
     path = moe_dirs[family]
     ref, e = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval(), engine(path)
     assert e.model.cfg.moe is not None
-    request = Request(messages=[{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}])
-    prompt = e.prompt_ids(request)
-    reply = run_to_summary(e.stream(request, Sampling(max_tokens=32)))
-    with torch.no_grad():
-        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                                eos_token_id=sorted(e.eos_ids), pad_token_id=0)[0, len(prompt):].tolist()
-    assert reply.token_ids == expected[:len(reply.token_ids)] and len(reply.token_ids) >= 10
-    ids = prompt + reply.token_ids
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0]
-    e.truncate(0)
-    got = [e.forward(ids[:len(prompt)], 0)[0]]
-    got += [e.forward([t], len(prompt) + i)[0] for i, t in enumerate(reply.token_ids)]
-    assert (torch.cat(got) - want).abs().max() < ATOL
+    assert_reply_and_logits_match(e, ref, max_tokens=32, atol=ATOL)
 
 
 def test_fused_expert_layout_is_the_same_model(moe_dirs, tmp_path):

@@ -257,3 +257,24 @@ def perturbed_copy(src: Path, out: Path, scale: float = 0.03, seed: int = 0) -> 
     save_file({k: v + scale * torch.randn(v.shape, generator=g) for k, v in tensors.items()},
               str(out / "model.safetensors"))
     return out
+
+
+def assert_reply_and_logits_match(e, ref, max_tokens: int, atol: float) -> None:
+    """The engine's greedy reply streamed to a fixed prompt is transformers' greedy reply, and every
+    logit of it (prefill, then one-token decode) is `ref`'s within atol."""
+    from specchat.backends.base import Request, Sampling, run_to_summary
+
+    request = Request(messages=[{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}])
+    prompt = e.prompt_ids(request)
+    reply = run_to_summary(e.stream(request, Sampling(max_tokens=max_tokens)))
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                eos_token_id=sorted(e.eos_ids), pad_token_id=0)[0, len(prompt):].tolist()
+    assert reply.token_ids == expected[:len(reply.token_ids)] and len(reply.token_ids) >= 10
+    ids = prompt + reply.token_ids
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    e.truncate(0)
+    got = [e.forward(ids[:len(prompt)], 0)[0]]
+    got += [e.forward([t], len(prompt) + i)[0] for i, t in enumerate(reply.token_ids)]
+    assert (torch.cat(got) - want).abs().max() < atol
