@@ -15,6 +15,7 @@ struct AttentionShape {
 bool attention_fits(int heads, int kv_heads, int head_dim);
 
 // q [heads, rows, head_dim] float32; k, v [kv_heads, cache_len, head_dim] (bfloat16 bits or
-// float32); out [heads / kv_heads, head_dim] float32: row `row` of the query heads of kv head `kv`.
+// float32); out [r1 - r0, heads / kv_heads, head_dim] float32: rows r0..r1-1 of the query heads of
+// kv head `kv` (any split of the rows gives each row the same bits).
 void attend_rows_avx512(const float* q, const void* k, const void* v, bool bf16_cache, const AttentionShape& s,
-                        int row, int kv, float* out);
+                        int kv, int r0, int r1, float* out);

@@ -219,21 +219,29 @@ at::Tensor attend_rows(const at::Tensor& q_in, const at::Tensor& k, const at::Te
     const float* qp = q.data_ptr<float>();
     const void *kp = k.data_ptr(), *vp = v.data_ptr();
     void* yp = y.data_ptr();
-    // over (kv head, row) pairs: each one's arithmetic is its own, whichever thread runs it
-    at::parallel_for(0, Hkv * n, 1, [&](int64_t p0, int64_t p1) {
-        std::vector<float> out(G * hd);
+    // over (kv head, block of rows): a block widens its keys and values once for all its rows;
+    // blocks small enough that each thread gets about two (each row's arithmetic is its own,
+    // whichever block and thread run it)
+    const int64_t threads = at::get_num_threads();
+    const int64_t parts = std::min<int64_t>(n, std::max<int64_t>(1, (2 * threads + Hkv - 1) / Hkv));
+    const int64_t per = (n + parts - 1) / parts;
+    at::parallel_for(0, Hkv * parts, 1, [&](int64_t p0, int64_t p1) {
+        std::vector<float> out(per * G * hd);
         for (int64_t p = p0; p < p1; p++) {
-            const int kv = (int)(p / n), row = (int)(p % n);
-            attend_rows_avx512(qp, kp, vp, bf16_cache, s, row, kv, out.data());
-            for (int64_t g = 0; g < G; g++) {
-                const int64_t at = ((kv * G + g) * n + row) * hd;
-                for (int64_t d = 0; d < hd; d++) {
-                    if (bf16_out)
-                        static_cast<uint16_t*>(yp)[at + d] = to_bf16(out[g * hd + d]);
-                    else
-                        static_cast<float*>(yp)[at + d] = out[g * hd + d];
+            const int kv = (int)(p / parts), r0 = (int)(p % parts * per), r1 = (int)std::min<int64_t>(n, r0 + per);
+            if (r0 >= r1) continue;
+            attend_rows_avx512(qp, kp, vp, bf16_cache, s, kv, r0, r1, out.data());
+            for (int row = r0; row < r1; row++)
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t at = ((kv * G + g) * n + row) * hd;
+                    const float* o = out.data() + ((row - r0) * G + g) * hd;
+                    for (int64_t d = 0; d < hd; d++) {
+                        if (bf16_out)
+                            static_cast<uint16_t*>(yp)[at + d] = to_bf16(o[d]);
+                        else
+                            static_cast<float*>(yp)[at + d] = o[d];
+                    }
                 }
-            }
         }
     });
     return y;
