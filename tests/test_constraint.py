@@ -138,6 +138,16 @@ def test_drafts_that_lead_where_no_token_may_follow_are_cut_and_a_dead_end_is_sa
     assert RowMasks(Dying(4, 4), [], frozenset()).dead_end
 
 
+def test_drafts_that_all_pass_but_end_where_no_token_may_follow_lose_only_the_last():
+    m = Dying(consumed=0, limit=3)
+    rows = RowMasks(m, [0, 1, 2], frozenset())
+    # every draft is allowed, but after the third no token may follow: the block verifies the first
+    # two (rows 0..2 have masks), and the next pass meets the dead end at its first row
+    assert rows.draft == [0, 1] and rows.allowed.shape == (3, 4) and m.consumed == 2 and not rows.dead_end
+    rows.settle(2, 2, frozenset())
+    assert m.consumed == 3 and RowMasks(m, [3], frozenset()).dead_end
+
+
 @pytest.mark.parametrize("kind, text, problem", [
     ("json_schema", '{"type": "string", "minLength": 5, "maxLength": 2}', "invalid JSON schema: Unsatisfiable"),
     ("json_schema", '{"type": "objecx"}', "invalid JSON schema"),

@@ -110,6 +110,14 @@ def test_memory_off_drafts_from_the_conversation_only():
     assert draft.tokens == [3, 4] and draft.source == "suffix"
 
 
+def test_a_loop_in_the_conversation_is_drafted_on_past_its_end():
+    drafter = make_suffix_drafter(SuffixSettings(memory=False))
+    # "1 2 3 1 2" stood before, followed by "3 1 2" and then the conversation's end: the draft reads
+    # on into itself, so the loop goes on for as many tokens as the match is long (5), not 3
+    draft = drafter.propose([1, 2, 3, 1, 2, 3, 1, 2], 8)
+    assert draft.tokens == [3, 1, 2, 3, 1] and draft.source == "suffix"
+
+
 def test_the_better_draft_of_conversation_and_memory_goes():
     drafter = suffix_with_memory([9, 1, 2, 7, 7, 7, 7])
     # the conversation has "1 2" once, followed by 5; the memory's "9 1 2" matches longer and drafts further

@@ -156,6 +156,16 @@ def test_removed_sequences_are_never_drafted_from_and_are_compacted_away():
     assert len(index.flat) < 50 * 61 / 2  # rebuilt once removed tokens outnumbered the live ones
 
 
+def test_one_long_removed_sequence_is_compacted_away_at_once():
+    index = SuffixIndex()
+    index.add("kept", [1, 2, 3, 4])
+    for key in range(3):  # each longer than the 1024 removed tokens the pool tolerates before a rebuild
+        index.add(key, [5 + t % 7 for t in range(2000)])
+        index.remove(key)
+        assert index.flat.tolist() == [1, 2, 3, 4] and index.live_tokens == 4
+    assert index.find([1, 2], 4).tokens == [3, 4] and index.find([5, 6], 4).tokens == []
+
+
 def test_rollback_rebuilds_the_conversation():
     index = SuffixIndex()
     index.sync([1, 2, 3, 1, 2])
