@@ -14,7 +14,7 @@
 // attention is most of a pass, and a verify row would otherwise widen them all again); scores are
 // made 16 keys at a time, their 16 lane sums folded together (fold16) with the additions a
 // reduce_add of each would make.
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,fma")
 #include <immintrin.h>
 
 #include <cmath>

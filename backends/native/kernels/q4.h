@@ -80,3 +80,24 @@ void q8_head_avx512vnni(const q8_tile* tiles, int kb, const float* scale, const 
 // never fused), then the lanes folded in halves: s[j] += s[j + 8], s[j] += s[j + 4], s[j] += s[j + 2],
 // s[0] + s[1]. Plain IEEE float32 operations, so any vector width gives the same bits.
 #define HEAD_DOT_LANES 16
+
+typedef float (*head_dot_fn)(const float* w, const float* x, long K);
+float head_dot_ref(const float* w, const float* x, long K);
+float head_dot_avx512vnni(const float* w, const float* x, long K);
+
+// ---- the head's candidates (q4_op.cpp head_candidates) ----
+// Over tokens v of [0, V): bound = c0 w0[v] + c1 w1[v] (two products, then their sum); low / high
+// = the max of A[v] - bound / A[v] + bound (a max is exact in any order).
+typedef void (*head_range_fn)(const float* A, const float* w0, const float* w1, float c0, float c1, long V,
+                              float* low, float* high);
+// The tokens v (ascending, into ids) whose A[v] + bound >= floor; returns how many.
+typedef long (*head_pick_fn)(const float* A, const float* w0, const float* w1, float c0, float c1, long V,
+                             float floor, int32_t* ids);
+void head_range_ref(const float* A, const float* w0, const float* w1, float c0, float c1, long V, float* low,
+                    float* high);
+long head_pick_ref(const float* A, const float* w0, const float* w1, float c0, float c1, long V, float floor,
+                   int32_t* ids);
+void head_range_avx512vnni(const float* A, const float* w0, const float* w1, float c0, float c1, long V, float* low,
+                           float* high);
+long head_pick_avx512vnni(const float* A, const float* w0, const float* w1, float c0, float c1, long V, float floor,
+                          int32_t* ids);

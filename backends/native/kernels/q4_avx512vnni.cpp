@@ -3,6 +3,8 @@
 #pragma GCC target("avx512f,avx512bw,avx512vnni,avx512vl,fma,f16c")
 #include <immintrin.h>
 
+#include <cmath>
+
 #include "q4.h"
 
 template <int M>
@@ -118,4 +120,42 @@ void q8_head_avx512vnni(const q8_tile* tiles, int kb, const float* scale, const 
             default: head_avx512<8>(tiles, kb, scale, r, out, ldy); break;
         }
     }
+}
+
+// head_dot (q4.h): 16 lanes of product-then-sum, folded in halves, as the reference does.
+float head_dot_avx512vnni(const float* w, const float* x, long K) {
+    __m512 s = _mm512_setzero_ps();
+    for (long k = 0; k < K; k += 16) s = _mm512_add_ps(s, _mm512_mul_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k)));
+    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
+}
+
+static inline __m512 head_bound(const float* w0, const float* w1, __m512 c0, __m512 c1, long v) {
+    return _mm512_add_ps(_mm512_mul_ps(c0, _mm512_loadu_ps(w0 + v)), _mm512_mul_ps(c1, _mm512_loadu_ps(w1 + v)));
+}
+
+void head_range_avx512vnni(const float* A, const float* w0, const float* w1, float c0, float c1, long V, float* low,
+                           float* high) {
+    const __m512 vc0 = _mm512_set1_ps(c0), vc1 = _mm512_set1_ps(c1);
+    __m512 lo = _mm512_set1_ps(-INFINITY), hi = lo;
+    for (long v = 0; v < V; v += 16) {  // V % 16 == 0 (q8_head)
+        const __m512 a = _mm512_loadu_ps(A + v), bound = head_bound(w0, w1, vc0, vc1, v);
+        lo = _mm512_max_ps(lo, _mm512_sub_ps(a, bound));
+        hi = _mm512_max_ps(hi, _mm512_add_ps(a, bound));
+    }
+    *low = _mm512_reduce_max_ps(lo), *high = _mm512_reduce_max_ps(hi);
+}
+
+long head_pick_avx512vnni(const float* A, const float* w0, const float* w1, float c0, float c1, long V, float floor,
+                          int32_t* ids) {
+    const __m512 vc0 = _mm512_set1_ps(c0), vc1 = _mm512_set1_ps(c1), vfloor = _mm512_set1_ps(floor);
+    long n = 0;
+    for (long v = 0; v < V; v += 16) {
+        const __m512 upper = _mm512_add_ps(_mm512_loadu_ps(A + v), head_bound(w0, w1, vc0, vc1, v));
+        for (unsigned hits = _mm512_cmp_ps_mask(upper, vfloor, _CMP_GE_OQ); hits; hits &= hits - 1)
+            ids[n++] = (int32_t)(v + __builtin_ctz(hits));
+    }
+    return n;
 }

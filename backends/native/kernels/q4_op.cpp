@@ -24,6 +24,9 @@ struct Isa {
     q4_block_fn block;
     q8_head_fn head;
     q8_quantize_fn quantize;
+    head_dot_fn dot;
+    head_range_fn range;
+    head_pick_fn pick;
     bool (*available)();
 };
 
@@ -39,9 +42,10 @@ bool has_avx512vnni() {
 
 // best first
 const Isa ISAS[] = {
-    {"avx512vnni", q4_block_avx512vnni, q8_head_avx512vnni, q8_quantize_avx512vnni, has_avx512vnni},
-    {"avx2", q4_block_avx2, q8_head_avx2, q8_quantize_avx2, has_avx2},
-    {"ref", q4_block_ref, q8_head_ref, q8_quantize_ref, always}};
+    {"avx512vnni", q4_block_avx512vnni, q8_head_avx512vnni, q8_quantize_avx512vnni, head_dot_avx512vnni,
+     head_range_avx512vnni, head_pick_avx512vnni, has_avx512vnni},
+    {"avx2", q4_block_avx2, q8_head_avx2, q8_quantize_avx2, head_dot_ref, head_range_ref, head_pick_ref, has_avx2},
+    {"ref", q4_block_ref, q8_head_ref, q8_quantize_ref, head_dot_ref, head_range_ref, head_pick_ref, always}};
 
 const Isa* find(const std::string& name) {
     for (const Isa& isa : ISAS)
@@ -255,41 +259,27 @@ at::Tensor attend_rows(const at::Tensor& q_in, const at::Tensor& k, const at::Te
 void head_candidates(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& norms,
                      double gamma, double own_gamma, double slack, double score_slack, std::vector<int64_t>& rows,
                      std::vector<int64_t>& ids) {
-    auto [logits, act] = head_on(x, tiles, scale, chosen());
+    const Isa& isa = chosen();
+    auto [logits, act] = head_on(x, tiles, scale, isa);
     const int64_t M = x.size(0), K = x.size(1), V = scale.numel();
     TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == 2 * V,
                 "head_choose: norms must be contiguous float32 [2, V]");
     const float *w0 = norms.data_ptr<float>(), *w1 = w0 + V, *A = logits.data_ptr<float>(), *a = act.data_ptr<float>();
-    std::vector<float> bound(V);
-    for (int64_t m = 0; m < M; m++) {
+    thread_local std::vector<int32_t> found;
+    for (int64_t m = 0; m < M; m++) {  // one thread: a row's scan takes microseconds on AVX512
         double x2 = 0;
         for (int64_t k = 0; k < K; k++) x2 += (double)x.data_ptr<float>()[m * K + k] * x.data_ptr<float>()[m * K + k];
         const float x_norm = std::nextafter((float)std::sqrt(x2), INFINITY) * (float)slack;
         const float c0 = std::max(a[2 * m], x_norm) * (float)slack;
         const float c1 = (a[2 * m + 1] + (float)gamma * x_norm + (float)own_gamma * a[2 * m]) * (float)slack;
         const float* Am = A + m * V;
-        float best_low = -INFINITY, best_high = -INFINITY;
-#pragma omp simd reduction(max : best_low, best_high)
-        for (int64_t v = 0; v < V; v++) {
-            bound[v] = c0 * w0[v] + c1 * w1[v];
-            best_low = std::max(best_low, Am[v] - bound[v]);
-            best_high = std::max(best_high, Am[v] + bound[v]);
-        }
+        float best_low, best_high;
+        isa.range(Am, w0, w1, c0, c1, V, &best_low, &best_high);
         const float margin = (std::fabs(best_low) + std::fabs(best_high) + 1.0f) * (float)score_slack;
-        const float floor = best_low - 2.0f * margin;
-        for (int64_t v = 0; v < V; v++)
-            if (Am[v] + bound[v] >= floor) rows.push_back(m), ids.push_back(v);
+        found.resize(V);
+        found.resize(isa.pick(Am, w0, w1, c0, c1, V, best_low - 2.0f * margin, found.data()));
+        for (int32_t id : found) rows.push_back(m), ids.push_back(id);
     }
-}
-
-// A token's float32 logit in the head's one summation order (q4.h's head_dot).
-float head_dot(const float* w, const float* x, int64_t K) {
-    float s[HEAD_DOT_LANES] = {};
-    for (int64_t k = 0; k < K; k += HEAD_DOT_LANES)
-        for (int j = 0; j < HEAD_DOT_LANES; j++) s[j] += w[k + j] * x[k + j];
-    for (int half = HEAD_DOT_LANES / 2; half >= 1; half /= 2)
-        for (int j = 0; j < half; j++) s[j] += s[j + half];
-    return s[0];
 }
 
 const float* head_weight(const at::Tensor& weight, int64_t K, const char* op) {
@@ -310,16 +300,17 @@ at::Tensor head_choose(const at::Tensor& x_in, const at::Tensor& tiles, const at
     TORCH_CHECK(weight.size(0) == scale.numel(), "head_choose: the head and its int8 copy differ in size");
     std::vector<int64_t> rows, ids;
     head_candidates(x, tiles, scale, norms, gamma, own_gamma, slack, score_slack, rows, ids);
-    at::Tensor chosen = at::zeros({M}, at::TensorOptions().dtype(at::kLong));
-    int64_t* out = chosen.data_ptr<int64_t>();
+    const head_dot_fn dot = chosen().dot;
+    at::Tensor choice = at::zeros({M}, at::TensorOptions().dtype(at::kLong));
+    int64_t* out = choice.data_ptr<int64_t>();
     std::vector<float> best(M, -INFINITY);
     std::vector<bool> seen(M, false);
     for (size_t i = 0; i < rows.size(); i++) {
         const int64_t m = rows[i];
-        const float logit = head_dot(w + ids[i] * K, x.data_ptr<float>() + m * K, K);
+        const float logit = dot(w + ids[i] * K, x.data_ptr<float>() + m * K, K);
         if (!seen[m] || logit > best[m]) best[m] = logit, out[m] = ids[i], seen[m] = true;
     }
-    return chosen;
+    return choice;
 }
 
 // The float32 logits (head_dot) of x's row rows[i] for token ids[i] -> float32 [n].
@@ -334,7 +325,7 @@ at::Tensor head_dots(const at::Tensor& x_in, const at::Tensor& weight, const at:
     const int64_t *r = rows.data_ptr<int64_t>(), *t = ids.data_ptr<int64_t>();
     for (int64_t i = 0; i < ids.numel(); i++) {
         TORCH_CHECK(r[i] >= 0 && r[i] < M && t[i] >= 0 && t[i] < V, "head_dots: a row or id out of range");
-        y.data_ptr<float>()[i] = head_dot(w + t[i] * K, x.data_ptr<float>() + r[i] * K, K);
+        y.data_ptr<float>()[i] = chosen().dot(w + t[i] * K, x.data_ptr<float>() + r[i] * K, K);
     }
     return y;
 }

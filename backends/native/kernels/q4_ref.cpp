@@ -76,3 +76,31 @@ void q8_quantize_ref(const float* x, int K, int8_t* q, float* d, float* s, int32
         sums[b] = sum;
     }
 }
+
+float head_dot_ref(const float* w, const float* x, long K) {
+    float s[HEAD_DOT_LANES] = {};
+    for (long k = 0; k < K; k += HEAD_DOT_LANES)
+        for (int j = 0; j < HEAD_DOT_LANES; j++) s[j] += w[k + j] * x[k + j];
+    for (int half = HEAD_DOT_LANES / 2; half >= 1; half /= 2)
+        for (int j = 0; j < half; j++) s[j] += s[j + half];
+    return s[0];
+}
+
+void head_range_ref(const float* A, const float* w0, const float* w1, float c0, float c1, long V, float* low,
+                    float* high) {
+    float best_low = -INFINITY, best_high = -INFINITY;
+    for (long v = 0; v < V; v++) {
+        const float bound = c0 * w0[v] + c1 * w1[v];
+        best_low = std::fmax(best_low, A[v] - bound);
+        best_high = std::fmax(best_high, A[v] + bound);
+    }
+    *low = best_low, *high = best_high;
+}
+
+long head_pick_ref(const float* A, const float* w0, const float* w1, float c0, float c1, long V, float floor,
+                   int32_t* ids) {
+    long n = 0;
+    for (long v = 0; v < V; v++)
+        if (A[v] + (c0 * w0[v] + c1 * w1[v]) >= floor) ids[n++] = (int32_t)v;
+    return n;
+}
