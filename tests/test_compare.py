@@ -1,5 +1,5 @@
 """Token alignment and the verdicts behind `specchat verify` and the A/B view."""
-from specchat.compare import IDENTICAL, MISMATCH, NEAR_TIE, Verdict, judge_text, judge_tokens
+from specchat.compare import ENGINES_DIFFER, IDENTICAL, MISMATCH, NEAR_TIE, Verdict, judge_text, judge_tokens
 
 
 def decode(ids):
@@ -118,6 +118,14 @@ def test_a_verdict_line_names_why_only_when_there_is_a_why():
     bare = Verdict(MISMATCH, 1, "a", "b", None, 2)
     assert "·" not in bare.line() and bare.line().endswith("'b'")
     assert Verdict(MISMATCH, 1, "a", "b", None, 2, why="the reason").line().endswith(" · the reason")
+
+
+def test_an_engines_differ_line_shows_the_scores_only_when_both_are_known():
+    both = Verdict(ENGINES_DIFFER, 2, "x", "c", 0.5, 4, ref_score=10.25, other_score=9.75, why="w")
+    assert both.line() == ("engines differ at token 2: 'c' (9.7500) (its own target-only) "
+                           "vs 'x' (10.2500) (reference) · w")
+    one = Verdict(ENGINES_DIFFER, 2, "x", "c", None, 4, ref_score=None, other_score=9.75, why="w")
+    assert one.line() == "engines differ at token 2: 'c' (its own target-only) vs 'x' (reference) · w"
 
 
 def test_without_a_strict_prefix_even_the_first_token_can_be_a_near_tie():
