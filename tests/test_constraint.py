@@ -148,6 +148,12 @@ def test_drafts_that_all_pass_but_end_where_no_token_may_follow_lose_only_the_la
     assert m.consumed == 3 and RowMasks(m, [3], frozenset()).dead_end
 
 
+def test_drafts_after_an_end_of_sequence_draft_are_never_read():
+    m = Dying(consumed=0, limit=10)
+    rows = RowMasks(m, [0, 3, 1, 2], frozenset([3]))  # 3 ends the sequence; 1 and 2 would be allowed after it
+    assert rows.draft == [0] and rows.allowed.shape == (2, 4) and m.consumed == 1
+
+
 @pytest.mark.parametrize("kind, text, problem", [
     ("json_schema", '{"type": "string", "minLength": 5, "maxLength": 2}', "invalid JSON schema: Unsatisfiable"),
     ("json_schema", '{"type": "objecx"}', "invalid JSON schema"),
