@@ -120,12 +120,11 @@ def test_a_verdict_line_names_why_only_when_there_is_a_why():
     assert Verdict(MISMATCH, 1, "a", "b", None, 2, why="the reason").line().endswith(" · the reason")
 
 
-def test_an_engines_differ_line_shows_the_scores_only_when_both_are_known():
-    both = Verdict(ENGINES_DIFFER, 2, "x", "c", 0.5, 4, ref_score=10.25, other_score=9.75, why="w")
-    assert both.line() == ("engines differ at token 2: 'c' (9.7500) (its own target-only) "
-                           "vs 'x' (10.2500) (reference) · w")
-    one = Verdict(ENGINES_DIFFER, 2, "x", "c", None, 4, ref_score=None, other_score=9.75, why="w")
-    assert one.line() == "engines differ at token 2: 'c' (its own target-only) vs 'x' (reference) · w"
+def test_an_engines_differ_line_shows_both_tokens_scores():
+    v = Verdict(ENGINES_DIFFER, 2, "x", "c", 0.5, 4, ref_score=10.25, other_score=9.75, why="w")
+    assert v.line() == "engines differ at token 2: 'c' (9.7500) (its own target-only) vs 'x' (10.2500) (reference) · w"
+    unscored = Verdict(ENGINES_DIFFER, 2, "x", "c", None, 4, why="w")
+    assert unscored.line() == "engines differ at token 2: 'c' (its own target-only) vs 'x' (reference) · w"
 
 
 def test_without_a_strict_prefix_even_the_first_token_can_be_a_near_tie():
