@@ -35,7 +35,7 @@ class Profile(Strict):
     extends: Optional[str] = None
     backend: Literal["torch", "llamacpp", "llamaserver", "openai"] = "torch"
     model: str
-    dtype: Literal["auto", "float32", "bfloat16", "float16", "int4"] = "auto"  # int4: Q4 GGUF weights, CPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "int4"] = "auto"  # int4: 4-bit layers on CPU
     device: str = "auto"
     threads: int = Field(0, ge=0)  # 0: all physical cores
     context: int = Field(2048, ge=16)

@@ -4,9 +4,11 @@ the device has free: one line with the numbers instead of the OOM killer halfway
 
 The figure is the weights as the engine holds them, a floor: the torch engine keeps a Q4 GGUF's
 blocks for its int4 kernel and a bfloat16 copy for many-row passes (2.5 bytes a parameter with
-the blocks), float32 at 4, bfloat16 and float16 at 2; llama.cpp maps the file as it is. KV cache,
-activations and the runtime come on top (the A/B view and `specchat verify --json` report the
-measured peak).
+the blocks), float32 at 4, bfloat16 and float16 at 2; a checkpoint directory at int4 is counted
+tensor by tensor from its headers, by the rule the loader quantizes with (backends/native/
+memory_plan.py: 0.625 bytes a layer weight, a bfloat16 copy only where all of them stay small);
+llama.cpp maps the file as it is. KV cache, activations and the runtime come on top (the A/B
+view and `specchat verify --json` report the measured peak).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from specchat.backends.base import BackendError
+from specchat.backends.native.memory_plan import int4_dir_bytes
 from specchat.backends.weight_files import check_gguf, safetensors_header
 from specchat.models import resolve_model
 from specchat.profiles import Profile
@@ -31,6 +34,7 @@ class Checkpoint:
     parameters: int
     file_bytes: int
     quantized: bool  # Q4 (or other GGUF quantized) blocks: the int4 path where the engine allows it
+    int4_bytes: Optional[int] = None  # safetensors: what a dtype: int4 load holds (memory_plan.py)
 
 
 def read_checkpoint(path: Path, kind: str) -> Checkpoint:
@@ -44,23 +48,32 @@ def read_checkpoint(path: Path, kind: str) -> Checkpoint:
         quantized = any(t.tensor_type.name.startswith("Q4") for t in tensors)
         return Checkpoint(params, path.stat().st_size, quantized)
     params = stored = 0
+    shapes: dict[str, tuple[int, ...]] = {}
     for shard in sorted(Path(path).glob("*.safetensors")):  # each header checked against the file's size
-        params += safetensors_header(shard).parameters
+        header = safetensors_header(shard)
+        params += header.parameters
         stored += shard.stat().st_size
+        shapes |= {name: tuple(t.shape) for name, t in header.tensors.items()}
     if not stored:  # PyTorch pickles (EAGLE-3 heads ship as pytorch_model.bin): never unpickled here
         stored = sum(f.stat().st_size for f in Path(path).glob("pytorch_model*.bin"))
         params = stored // stored_element_bytes(Path(path))
-    return Checkpoint(params, stored, False)
+    return Checkpoint(params, stored, False, int4_dir_bytes(shapes, read_config(Path(path))) if shapes else None)
+
+
+def read_config(folder: Path) -> dict:
+    """config.json as a dict; empty where it is missing or unreadable (the engine says so at load)."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def stored_element_bytes(folder: Path) -> int:
     """Bytes per stored weight of a checkpoint without headers to count from: config.json's
     `torch_dtype` (or `dtype`); 4 (float32) when it does not say, so the estimate stays a floor."""
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        dtype = config.get("torch_dtype") or config.get("dtype")
-    except (OSError, ValueError, AttributeError):
-        dtype = None
+    config = read_config(folder)
+    dtype = config.get("torch_dtype") or config.get("dtype")
     return {"float16": 2, "bfloat16": 2, "float64": 8}.get(str(dtype).removeprefix("torch."), 4)
 
 
@@ -117,10 +130,13 @@ def weight_bytes(profile: Profile, device: str = "cpu") -> Optional[int]:
         if found is None:
             return None
         ck = read_checkpoint(*found)
+        precision = precision_of(profile, ck, device)
         if profile.backend in ("llamacpp", "llamaserver"):
             total += ck.file_bytes
+        elif precision == "int4" and ck.int4_bytes is not None:
+            total += ck.int4_bytes
         else:
-            total += int(ck.parameters * BYTES_PER_PARAMETER[precision_of(profile, ck, device)])
+            total += int(ck.parameters * BYTES_PER_PARAMETER[precision])
     return total
 
 

@@ -71,3 +71,26 @@ def test_a_pytorch_pickle_counts_by_its_size_without_being_unpickled(isolated_di
     assert numel <= ck.parameters <= numel * 1.02  # the pickle's own bytes on top of the tensors'
     (folder / "binned.yaml").write_text("model: ./head\ndtype: float32\n")
     assert weight_memory.weight_bytes(get_profile("binned")) == ck.parameters * 4
+
+
+def test_an_int4_checkpoint_directory_is_counted_as_the_loader_quantizes_it(isolated_dirs, monkeypatch, capsys):
+    """dtype: int4 on a safetensors folder: the headers, tensor by tensor (memory_plan.py), not 2.5
+    bytes a parameter; refused only when that is more than is free."""
+    from tests.native.tiny_moe import make_moe_checkpoint
+
+    folder = isolated_dirs / "user-profiles"
+    folder.mkdir(parents=True, exist_ok=True)
+    make_moe_checkpoint(folder / "moe", "glm4_moe", seed=3)
+    (folder / "t-moe4.yaml").write_text("model: ./moe\ndtype: int4\ncontext: 64\nthreads: 2\n")
+    ck = weight_memory.read_checkpoint(folder / "moe", "hf_dir")
+    need = weight_memory.weight_bytes(get_profile("t-moe4"))
+    assert need == ck.int4_bytes and need != int(ck.parameters * 2.5)
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded although it cannot fit")
+    monkeypatch.setattr("specchat.backends.native.engine.TorchBackend.__init__", no_load)
+    monkeypatch.setattr(weight_memory, "free_bytes", lambda device: need - 1)
+    assert cli.main(["run", "-p", "t-moe4", "hi"]) == 2
+    assert f"needs {weight_memory.size(need)} for its weights" in capsys.readouterr().err
+    monkeypatch.setattr(weight_memory, "free_bytes", lambda device: need)
+    weight_memory.check_fits(get_profile("t-moe4"))  # no refusal

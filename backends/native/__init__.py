@@ -8,6 +8,7 @@
     exact_rows.py   row-exact passes on CPU: verify rows with the bits of single-token passes
     weights.py      Checkpoint, the Hugging Face loader and name map, build_model
     gguf_loader.py  GGUF -> Checkpoint (dequantized, or Q4 blocks kept for the int4 kernel)
+    memory_plan.py  what a dtype: int4 load of a checkpoint directory holds (planned and counted)
     tokenizer.py    ChatTokenizer: the model's own tokenizer and chat template via transformers
     sampling.py     greedy and position-keyed Gumbel-max sampling; probs() for rejection sampling
     argmax_head.py  the float32 head's argmax choice at an int8 head's cost

@@ -35,20 +35,20 @@ from .weights import Checkpoint, build_model, load_hf_dir
 # Replay is the one to choose when memory is tight (a verify block keeps a fraction of snapshot's).
 DEFAULT_ROLLBACK = {"cpu": "snapshot", "cuda": "snapshot"}
 
-# What the torch engine computes with: a torch dtype for everything, or "int4": GGUF Q4_0/Q4_1
-# matrices on torch's group-wise int4 kernel with bfloat16 activations (CPU only).
+# What the torch engine computes with: a torch dtype for everything, or "int4": layer matrices in 4 bits (a GGUF's
+# Q4 blocks; a checkpoint directory's quantized when read: memory_plan.py), bfloat16 activations (CPU only).
 PRECISIONS = ("float32", "bfloat16", "float16", "int4")
 # Precisions whose CPU matmul kernels are row-invariant, so that a row-exact pass over K tokens
 # equals K single-token passes bit for bit (exact_rows.py).
 ROW_INVARIANT_PRECISIONS = ("bfloat16", "int4")
 
 
-def load_checkpoint(path: Path, kind: str, keep_int4: bool, cache_dir: Path | None = None) -> Checkpoint:
+def load_checkpoint(path: Path, kind: str, keep_int4: bool, cache_dir: Path | None = None, quantize=False):
     if kind == "gguf":
         from .gguf_loader import load_gguf
 
-        return load_gguf(path, keep_int4=keep_int4, cache_dir=cache_dir)
-    return load_hf_dir(path)
+        return load_gguf(path, keep_int4=keep_int4, cache_dir=cache_dir)  # other types stay as they are
+    return load_hf_dir(path, int4=quantize)
 
 
 def has_int4(ck: Checkpoint) -> bool:
@@ -101,7 +101,7 @@ class TorchBackend(Backend):
         torch.set_num_threads(threads_beside(self.threads))
         started = time.perf_counter()
         ck = load_checkpoint(path, kind, keep_int4=precision in ("auto", "int4") and self.device.type == "cpu",
-                             cache_dir=cache_dir)
+                             cache_dir=cache_dir, quantize=precision == "int4" and self.device.type == "cpu")
         self.precision = choose_precision(precision, self.device, ck)
         if self.precision == "int4" and self.device.type != "cpu":
             raise BackendError("precision int4 runs on CPU only; use bfloat16 on CUDA")

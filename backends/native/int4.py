@@ -84,7 +84,10 @@ def int4_if_fits(w: Tensor, dtype: torch.dtype, device: torch.device | str = "cp
     return int4_linear(w) if Int4Rows.fits(w) else Linear(w.to(device, dtype).contiguous())
 
 
-MATRIX_KEYS = ("q", "k", "v", "o", "gate", "up", "down")
+# a layer's matrices under short names (weights.py, moe_weights.py): attention, dense MLP, shared
+# expert, linear attention; never a router, whose choices want its float32 scores
+MATRIX_KEYS = ("q", "k", "v", "o", "gate", "up", "down", "shared_gate", "shared_up", "shared_down",
+               "qkv", "z", "b", "a", "out")
 
 
 def quantize_layer(layer: dict[str, Matrix]) -> dict[str, Matrix]:

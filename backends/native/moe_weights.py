@@ -27,7 +27,7 @@ from torch import Tensor
 from ..base import BackendError
 from ..weight_files import open_safetensors
 from .config import COMPLETE, MoeShape
-from .int4 import Int4Rows, int4_linear
+from .int4 import Int4Rows, Matrix, int4_linear
 from .layers import GatedMLP
 from .linear import Linear
 from .moe import Router, RoutedExperts
@@ -155,7 +155,10 @@ def _check(t, want: tuple[int, ...], name: str, source: str) -> None:
         raise BackendError(f"{source}: {name} has shape {got}, config.json's expert keys give {want}; {COMPLETE}")
 
 
-def _matrix(parts: list[Tensor], dtype: torch.dtype, int4: bool, device: torch.device) -> Linear:
+def _matrix(parts: list[Matrix], dtype: torch.dtype, int4: bool, device: torch.device) -> Linear:
+    if int4 and all(isinstance(p, Int4Rows) for p in parts):  # a shared expert quantized when read
+        return int4_linear(parts[0] if len(parts) == 1 else Int4Rows.cat(parts))
+    parts = [p.dequantize() if isinstance(p, Int4Rows) else p for p in parts]
     # a new tensor, not a view of the file's bytes: a matmul's rounding may depend on where its weights lie
     w = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
     if int4 and Int4Rows.fits(w):  # the experts are most of a MoE model's bytes: 4-bit on CPU

@@ -135,8 +135,11 @@ def pack_head(q: Tensor) -> Tensor:
     """An int8 head [V, K] (-127..127) -> tiles, uint8 [V / 16, K / 32, 512] (kernels/q4.h's
     q8_tile): 4 consecutive k of 16 rows in each 64 bytes, as unsigned (W + 128)."""
     V, K = q.shape
-    w = (q.to(torch.int16) + 128).to(torch.uint8).view(V // 16, 16, K // INT4_GROUP, 8, 4)
-    return w.permute(0, 2, 3, 1, 4).reshape(V // 16, K // INT4_GROUP, 512).contiguous()
+    out = torch.empty(V // 16, K // INT4_GROUP, 512, dtype=torch.uint8, device=q.device)
+    for lo in range(0, V, 4096):  # a slice at a time: no full-size temporaries beside a big head
+        w = (q[lo:lo + 4096].to(torch.int16) + 128).to(torch.uint8).view(-1, 16, K // INT4_GROUP, 8, 4)
+        out[lo // 16:lo // 16 + w.shape[0]] = w.permute(0, 2, 3, 1, 4).reshape(-1, K // INT4_GROUP, 512)
+    return out
 
 
 def head_fits(q: Tensor) -> bool:

@@ -2,7 +2,8 @@
 
 Loaders (Hugging Face safetensors here, GGUF in gguf_loader.py) produce a `Checkpoint`: the
 config plus per-layer tensors under short names (q, k, v, o, gate, up, down, norms, biases).
-A matrix is either a float32 tensor or `Int4Rows` (GGUF Q4_0/Q4_1 blocks kept as they are).
+A matrix is either a float32 tensor or `Int4Rows` (GGUF Q4_0/Q4_1 blocks kept as they are, or a
+checkpoint directory's matrices quantized as they are read for `dtype: int4`: memory_plan.py).
 `build_model` fuses q/k/v and gate/up into single matmuls and casts to the compute dtype.
 `HF_LAYER_NAMES` is the one map from those short names to Hugging Face tensor names; MTP heads,
 DFlash drafters and the trainers' exports use it too.
@@ -19,13 +20,14 @@ import torch
 from torch import Tensor
 
 from ..base import BackendError
-from ..weight_files import BrokenWeightFile, open_safetensors, safetensors_header, safetensors_index
+from ..weight_files import BrokenWeightFile, safetensors_header, safetensors_index
 from . import argmax_head
 from .config import COMPLETE, ModelConfig, MoeShape, read_hf_config
 from .gated_delta import recurrent_layer
-from .int4 import Int4Rows, Matrix, int4_linear
+from .int4 import Int4Rows, Matrix, int4_linear, quantize_layer
 from .layers import DecoderLayer, decoder_layer
 from .linear import Linear
+from .memory_plan import DENSE_COPY_MAX_BYTES, return_freed_memory
 from .model import Transformer
 from .moe_weights import MOE_MARKERS, TensorReader, build_moe, is_expert_tensor, moe_layer_names, read_moe_layer
 
@@ -123,6 +125,7 @@ HF_LINEAR_NAMES = {
 HF_FUSED_LINEAR = {"qkvz": "linear_attn.in_proj_qkvz.weight", "ba": "linear_attn.in_proj_ba.weight"}
 ZERO_CENTRED_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")  # not the gated norm: it is applied as w
 DENSE_MLP_KEYS = ("gate", "up", "down")
+IN_PROJ_KEYS = ("qkv", "z", "b", "a")
 
 
 def ungroup_qkvz(qkvz: Tensor, ba: Tensor, shape) -> dict[str, Tensor]:
@@ -137,7 +140,11 @@ def ungroup_qkvz(qkvz: Tensor, ba: Tensor, shape) -> dict[str, Tensor]:
     return {"qkv": torch.cat(flat[:3]), "z": flat[3], "b": flat[4], "a": flat[5]}
 
 
-def load_hf_dir(path: Path) -> Checkpoint:
+def load_hf_dir(path: Path, int4: bool = False) -> Checkpoint:
+    """A checkpoint directory's tensors, read a layer at a time (float32). `int4`: each layer's
+    matrices that the 4-bit kernels take are quantized as the layer is read, and an untied
+    embedding is kept in bfloat16 (memory_plan.py), so that a big model's float32 matrices never
+    sit in memory together; routed experts are read later still, one at a time (build_model)."""
     cfg = read_hf_config(path)
     where = safetensors_files(path)
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in where) else "model."
@@ -145,63 +152,65 @@ def load_hf_dir(path: Path) -> Checkpoint:
     where = {n: f for n, f in where.items() if not is_mtp_tensor(n, prefix, cfg.n_layers)}
     if cfg.moe is None:
         refuse_moe(path, where, prefix)
-    experts = TensorReader({n: f for n, f in where.items() if is_expert_tensor(n)})  # read while building
     vision = [n for n in where if n.startswith(("model.visual.", "visual."))]
     if vision:  # a multimodal checkpoint (Qwen3.5's published ones): specchat chats in text
         print(f"note: {path.name}: the vision tower ({len(vision)} tensors) is not loaded; specchat runs the "
               "text decoder", file=sys.stderr)
         where = {n: f for n, f in where.items() if not n.startswith(("model.visual.", "visual."))}
-    tensors: dict[str, Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, f in where.items():
-        if not is_expert_tensor(name):
-            by_file.setdefault(f, []).append(name)
-    with progress(f"loading {path.name}", sum(map(len, by_file.values()))) as advance:
-        for f, names in by_file.items():
-            with open_safetensors(f) as st:
-                for name in names:
-                    tensors[name] = st.get_tensor(name).float()
-                    advance()
-
+    reader = TensorReader(where)  # files opened once, tensors read when taken (experts: when built)
     used: set[str] = set()
 
     def take(name: str, required: bool = True) -> Tensor | None:
-        if name not in tensors and required:
+        if (name not in where or is_expert_tensor(name)) and required:
             raise BackendError(f"{path}: tensor {name} missing; is this a Llama/Qwen-style checkpoint?")
         used.add(name)
-        return tensors.get(name)
+        return reader.get(name) if name in where else None
 
     layers = []
-    for i in range(cfg.n_layers):
-        p = f"{prefix}layers.{i}."
-        sparse = cfg.is_sparse(i)
-        if cfg.is_linear(i):
-            fused = p + HF_FUSED_LINEAR["qkvz"] in tensors
-            names = {k: n for k, n in HF_LINEAR_NAMES.items() if not (fused and k in ("qkv", "z", "b", "a"))
-                     and not (sparse and k in DENSE_MLP_KEYS)}
-            layer = {k: take(p + n) for k, n in names.items()}
-            if fused:
-                layer |= ungroup_qkvz(take(p + HF_FUSED_LINEAR["qkvz"]), take(p + HF_FUSED_LINEAR["ba"]), cfg.linear)
-            _check_linear(path, i, layer, cfg)
-        else:
-            layer = {k: take(p + n, k in LAYER_KEYS) for k, n in HF_LAYER_NAMES.items()
-                     if not (sparse and k in DENSE_MLP_KEYS)}
-        if sparse:
-            layer |= read_moe_layer(take, where, experts, p, cfg.moe, cfg.dim, str(path), f"layer {i}")
-        elif moe_layer_names(where, p):
-            raise BackendError(f"{path}: layer {i} has a mixture-of-experts MLP ({moe_layer_names(where, p)[0]}) "
-                               "where config.json places a dense one; the config does not match the weights")
-        layer = {k: v for k, v in layer.items() if v is not None}
-        if cfg.zero_centred:  # stored w, applied as 1 + w: folded in once here
-            layer |= {k: layer[k] + 1.0 for k in ZERO_CENTRED_NORMS if k in layer}
-        layers.append(layer)
+    with progress(f"loading {path.name}", cfg.n_layers) as advance:
+        for i in range(cfg.n_layers):
+            layers.append(_hf_layer(cfg, i, f"{prefix}layers.{i}.", take, where, reader, path, int4))
+            advance()
     head = None if cfg.tie_embeddings else take("lm_head.weight", required=False)
     embed, norm = take(prefix + "embed_tokens.weight"), take(prefix + "norm.weight")
+    if int4 and head is not None:  # its rows are widened when looked up; a tied one is the float32 head
+        embed = embed.to(torch.bfloat16)
     if cfg.zero_centred:
         norm = norm + 1.0
-    refuse_unknown(path, set(tensors) - used - {"lm_head.weight"}
-                   | {n for n in experts.where if not n.startswith(f"{prefix}layers.")})
+    refuse_unknown(path, {n for n in where if not is_expert_tensor(n)} - used - {"lm_head.weight"}
+                   | {n for n in where if is_expert_tensor(n) and not n.startswith(f"{prefix}layers.")})
     return Checkpoint(cfg, embed, norm, head, layers, source=str(path))
+
+
+def _hf_layer(cfg: ModelConfig, i: int, p: str, take, where: dict, reader: TensorReader, path: Path,
+              int4: bool) -> dict[str, Matrix]:
+    """Decoder layer i's tensors under short names (`p`: its prefix), quantized where `int4`."""
+    sparse = cfg.is_sparse(i)
+    if cfg.is_linear(i):
+        fused = p + HF_FUSED_LINEAR["qkvz"] in where
+        names = {k: n for k, n in HF_LINEAR_NAMES.items() if not (fused and k in ("qkv", "z", "b", "a"))
+                 and not (sparse and k in DENSE_MLP_KEYS)}
+        layer = {k: take(p + n) for k, n in names.items()}
+        if fused:
+            layer |= ungroup_qkvz(take(p + HF_FUSED_LINEAR["qkvz"]), take(p + HF_FUSED_LINEAR["ba"]), cfg.linear)
+        _check_linear(path, i, layer, cfg)
+    else:
+        layer = {k: take(p + n, k in LAYER_KEYS) for k, n in HF_LAYER_NAMES.items()
+                 if not (sparse and k in DENSE_MLP_KEYS)}
+    if sparse:
+        layer |= read_moe_layer(take, where, reader, p, cfg.moe, cfg.dim, str(path), f"layer {i}")
+    elif moe_layer_names(where, p):
+        raise BackendError(f"{path}: layer {i} has a mixture-of-experts MLP ({moe_layer_names(where, p)[0]}) "
+                           "where config.json places a dense one; the config does not match the weights")
+    layer = {k: v for k, v in layer.items() if v is not None}
+    if cfg.zero_centred:  # stored w, applied as 1 + w: folded in once here
+        layer |= {k: layer[k] + 1.0 for k in ZERO_CENTRED_NORMS if k in layer}
+    if not int4:
+        return layer
+    out = quantize_layer(layer)
+    if cfg.is_linear(i) and not all(isinstance(out[k], Int4Rows) for k in IN_PROJ_KEYS):
+        out |= {k: layer[k] for k in IN_PROJ_KEYS}  # one matmul (build_recurrent_layer): 4-bit only if all fit
+    return out
 
 
 def _check_linear(path: Path, i: int, layer: dict[str, Tensor], cfg: ModelConfig) -> None:
@@ -309,7 +318,7 @@ def build_recurrent_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bo
         return layer[key].float().to(device)
 
     return {
-        "in_proj": _linear([layer[k] for k in ("qkv", "z", "b", "a")], [None] * 4, dtype, int4, device),
+        "in_proj": _linear([layer[k] for k in IN_PROJ_KEYS], [None] * 4, dtype, int4, device),
         "out": _linear([layer["out"]], [None], dtype, int4, device),
         **build_mlp(layer, dtype, int4, device, moe=moe),
         "conv": dev("conv").reshape(layer["conv"].shape[0], -1), "A_log": dev("A_log"), "dt_bias": dev("dt_bias"),
@@ -317,13 +326,13 @@ def build_recurrent_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bo
     }
 
 
-# Most memory a bfloat16 copy of an int4 model's layer matrices may take (4x their int4 size) to
-# speed up prefill; larger models prefill on the int4 kernel.
-DENSE_COPY_MAX_BYTES = 1 << 30
+COPIED_KEYS = ("q", "k", "v", "o", "gate", "up", "down")  # what build_layer may give a dense copy
 
 
 def dense_copy_bytes(ck: Checkpoint) -> int:
-    return sum(2 * m.q.numel() for layer in ck.layers for m in layer.values() if isinstance(m, Int4Rows))
+    """Bytes of the bfloat16 copies of an int4 model's attention layers' matrices (memory_plan.py)."""
+    return sum(2 * m.q.numel() for i, layer in enumerate(ck.layers) if not ck.cfg.is_linear(i)
+               for k, m in layer.items() if k in COPIED_KEYS and isinstance(m, Int4Rows))
 
 
 def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = False,
@@ -348,9 +357,11 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
                           if ck.cfg.is_linear(i) else decoder_layer(ck.cfg, build_layer(layer, dtype, int4, device,
                                                                                         dense_copy, moe)))
             del layer
+            return_freed_memory()  # the layer's float32 temporaries: else they stay resident as free heap
             advance()
-    embed = ck.embed.float().to(device)
-    head_weight = ck.head if ck.head is not None else embed
+    # bfloat16 where load_hf_dir(int4=True) kept it so (its rows are widened when looked up), else float32
+    embed = ck.embed.to(device) if ck.embed.dtype == torch.bfloat16 else ck.embed.float().to(device)
+    head_weight = ck.head if ck.head is not None else embed.float()
     if device.type == "cpu" and dtype != torch.float32:
         # Logits stay float32 on CPU: bfloat16 logits (resolution 0.125 at 25) turn near-ties
         # into exact ties. A tied head shares the float32 embedding, so this costs no memory.
@@ -361,4 +372,5 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
     model = Transformer(ck.cfg, embed, layers, ck.norm.float().to(device), head, dtype, max_len, rollback)
     if head.pairwise:
         model.argmax_head = argmax_head.for_head(head.weight, model.norm.weight)
+    return_freed_memory()
     return model
