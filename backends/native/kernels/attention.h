@@ -10,6 +10,11 @@ struct AttentionShape {
     long start;
 };
 
+// Keys from which a block of rows widens its keys and values once (attention_avx512.cpp); below,
+// each row reads the cache in place. The same bits either way; re-measure the crossover with
+// `python scripts/attention_bench.py` (at 128 keys reading in place was faster, at 512 widening).
+constexpr long ATTENTION_BLOCK_KEYS = 256;
+
 // Whether attend_rows_avx512 takes these heads (at most 16 query heads a kv head, head_dim a
 // multiple of 16 up to 256).
 bool attention_fits(int heads, int kv_heads, int head_dim);

@@ -9,7 +9,8 @@
 // divided by that sum. Keys past the row's end never enter its result, so a row's bits do not
 // depend on the cache's padding, on the other rows of the call or on the thread count.
 //
-// Work: one call per (kv head, block of rows). The block's keys and values are widened to float32
+// Work: one call per (kv head, block of rows). Below ATTENTION_BLOCK_KEYS keys each row reads the
+// cache in place, one key at a time (`attend`). Past it, the block's keys and values are widened to float32
 // once, into a scratch buffer every row and query head of the block then reads (at long contexts
 // attention is most of a pass, and a verify row would otherwise widen them all again); scores are
 // made 16 keys at a time, their 16 lane sums folded together (fold16) with the additions a
@@ -25,6 +26,12 @@
 namespace {
 
 constexpr int MAX_DIM = 256, MAX_GROUP = 16;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // bfloat16 -> float32, exact
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
 
 // keys [keys, hd] of the cache -> float32 rows in dst, zeros up to `padded` keys
 void widen(const uint16_t* src, float* dst, long keys, long padded, int hd) {
@@ -125,6 +132,76 @@ void values(const float* p, const float* vf, int keys, float inv, float* out) {
     for (int c = 0; c < CH; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
 }
 
+// Short contexts: one row at a time, each key's score reduced on its own and the cache read in
+// place (below ATTENTION_BLOCK_KEYS keys this is faster than widening it; the same bits).
+// The G query heads of one kv head, one row: q [G][hd] over keys k, v [keys][hd] -> out [G][hd].
+template <typename T>
+void attend_group(const float* const* q, int G, const T* k, const T* v, int keys, int hd, float scale,
+                  float* scores, float* const* out) {
+    const int chunks = hd / 16;
+    float best[MAX_GROUP];
+    for (int g = 0; g < G; g++) best[g] = -INFINITY;
+    for (int j = 0; j < keys; j++) {
+        __m512 kj[MAX_DIM / 16];
+        for (int c = 0; c < chunks; c++) kj[c] = load16(k + (long)j * hd + 16 * c);
+        for (int g = 0; g < G; g++) {
+            __m512 lanes = _mm512_mul_ps(load16(q[g]), kj[0]);
+            for (int c = 1; c < chunks; c++) lanes = _mm512_fmadd_ps(load16(q[g] + 16 * c), kj[c], lanes);
+            const float s = _mm512_reduce_add_ps(lanes) * scale;
+            scores[g * keys + j] = s;
+            best[g] = s > best[g] ? s : best[g];
+        }
+    }
+    for (int g = 0; g < G; g++) {  // probabilities in place, and their sum
+        float* sg = scores + g * keys;
+        __m512 total = _mm512_setzero_ps();
+        const __m512 shift = _mm512_set1_ps(best[g]);
+        int j = 0;
+        for (; j + 16 <= keys; j += 16) {
+            __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + j), shift));
+            _mm512_storeu_ps(sg + j, p);
+            total = _mm512_add_ps(total, p);
+        }
+        if (j < keys) {
+            const __mmask16 tail = (__mmask16)((1u << (keys - j)) - 1);
+            __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + j), shift));
+            p = _mm512_maskz_mov_ps(tail, p);
+            _mm512_mask_storeu_ps(sg + j, tail, p);
+            total = _mm512_add_ps(total, p);
+        }
+        best[g] = 1.0f / _mm512_reduce_add_ps(total);  // now the sum's reciprocal
+    }
+    __m512 acc[MAX_GROUP][MAX_DIM / 16];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int j = 0; j < keys; j++) {
+        __m512 vj[MAX_DIM / 16];
+        for (int c = 0; c < chunks; c++) vj[c] = load16(v + (long)j * hd + 16 * c);
+        for (int g = 0; g < G; g++) {
+            const __m512 p = _mm512_set1_ps(scores[g * keys + j]);
+            for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_fmadd_ps(p, vj[c], acc[g][c]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out[g] + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(best[g])));
+}
+
+template <typename T>
+void attend(const float* q, const T* k, const T* v, const AttentionShape& s, int row, int kv, float* out) {
+    const int G = s.heads / s.kv_heads, keys = (int)(s.start + row + 1);
+    thread_local std::vector<float> scores;
+    scores.resize((size_t)G * keys);
+    const float* qs[MAX_GROUP];
+    float* outs[MAX_GROUP];
+    for (int g = 0; g < G; g++) {
+        qs[g] = q + ((long)(kv * G + g) * s.rows + row) * s.head_dim;
+        outs[g] = out + (long)g * s.head_dim;
+    }
+    const long cache_head = (long)kv * s.cache_len * s.head_dim;
+    attend_group(qs, G, k + cache_head, v + cache_head, keys, s.head_dim, 1.0f / std::sqrt((float)s.head_dim),
+                 scores.data(), outs);
+}
+
 template <int CH, typename T>
 void attend_block(const float* q, const T* k, const T* v, const AttentionShape& s, int kv, int r0, int r1,
                   float* out) {
@@ -165,6 +242,17 @@ bool attention_fits(int heads, int kv_heads, int head_dim) {
 
 void attend_rows_avx512(const float* q, const void* k, const void* v, bool bf16_cache, const AttentionShape& s,
                         int kv, int r0, int r1, float* out) {
+    if (s.start + r1 < ATTENTION_BLOCK_KEYS) {
+        const long G = s.heads / s.kv_heads;
+        for (int row = r0; row < r1; row++) {
+            float* o = out + (row - r0) * G * s.head_dim;
+            if (bf16_cache)
+                attend(q, (const uint16_t*)k, (const uint16_t*)v, s, row, kv, o);
+            else
+                attend(q, (const float*)k, (const float*)v, s, row, kv, o);
+        }
+        return;
+    }
     switch (s.head_dim / 16) {
         case 1: return attend_block<1>(q, k, v, bf16_cache, s, kv, r0, r1, out);
         case 2: return attend_block<2>(q, k, v, bf16_cache, s, kv, r0, r1, out);
