@@ -224,8 +224,8 @@ at::Tensor attend_rows(const at::Tensor& q_in, const at::Tensor& k, const at::Te
     const void *kp = k.data_ptr(), *vp = v.data_ptr();
     void* yp = y.data_ptr();
     // over (kv head, block of rows): past ATTENTION_BLOCK_KEYS a block widens its keys and values
-    // once for all its rows; blocks small enough that each thread gets about two (each row's arithmetic is its own,
-    // whichever block and thread run it)
+    // once for all its rows, in blocks small enough that each thread gets about two; each row's
+    // arithmetic is its own, whichever block and thread run it
     const int64_t threads = at::get_num_threads();
     const int64_t parts = start + n < ATTENTION_BLOCK_KEYS ? n  // short: a row per call, the cache read in place
                           : std::min<int64_t>(n, std::max<int64_t>(1, (2 * threads + Hkv - 1) / Hkv));
