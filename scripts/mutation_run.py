@@ -48,6 +48,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from mutation import carry
 from mutation.baseline import TEST_ARGS, TEST_FILES, TEST_K, baseline, test_command_for
 from mutation.common import DEFAULT_REPO, EQUIVALENT, Stop, committed_text, git, log, sandbox_env
 from mutation.execute import run_exec
@@ -159,6 +160,17 @@ def run(args) -> int:
     print_counts(plan["counts"])
     if args.count_only:
         return 0
+    # Only a run of the whole core is carried in the repository (a smaller one would overwrite it).
+    carried = carry.record_path(repo, commit) if present == list(SCOPES) and args.limit is None else None
+
+    def keep() -> None:
+        if carried:
+            carry.save(carried, out / "session.sqlite", out / "verify.json", key)
+
+    if carried:
+        taken, verified = carry.restore(carried, out / "session.sqlite", out / "verify.json", key)
+        if taken:
+            log(f"[carry] {taken} mutants' results (and {verified} verify records) taken from {carried}")
 
     # 3. baseline
     if "baseline_seconds" not in plan or args.rebaseline or not (out / "test-map.json").exists():
@@ -179,11 +191,13 @@ def run(args) -> int:
         return 0
 
     # 4. exec
-    run_exec(args, out, tree, env, present, test_command, timeout, repo, commit)
+    run_exec(args, out, tree, env, present, test_command, timeout, repo, commit, keep)
     restore_tree(repo, commit, tree, present)
+    keep()
 
     # 5. verify
-    verify = {} if args.skip_verify else run_verify(args, out, tree, env, present, repo, commit)
+    verify = {} if args.skip_verify else run_verify(args, out, tree, env, present, repo, commit, keep)
+    keep()
     if args.skip_verify and (out / "verify.json").exists():
         verify = json.loads((out / "verify.json").read_text())
 

@@ -37,7 +37,9 @@ def progress(session: Path) -> tuple[int, int]:
         return len(done), db.num_work_items - skipped
 
 
-def run_exec(args, out: Path, tree: Path, env: dict, modules, test_command: str, timeout: float, repo, commit):
+def run_exec(args, out: Path, tree: Path, env: dict, modules, test_command: str, timeout: float, repo, commit,
+             keep=lambda: None):
+    """`keep`: called every minute while mutants run (the results carried in the repository)."""
     session = out / "session.sqlite"
     done, total = progress(session)
     if done >= total:
@@ -75,6 +77,7 @@ def run_exec(args, out: Path, tree: Path, env: dict, modules, test_command: str,
             except subprocess.TimeoutExpired:
                 pass
             now, _ = progress(session)
+            keep()
             rate = (time.monotonic() - start) / max(1, now - first)
             log(f"[exec] {now}/{total} done, {time.monotonic() - start:.0f} s, ~{rate:.0f} s a mutant, "
                 f"~{rate * (total - now) / 60:.0f} min left")

@@ -167,7 +167,9 @@ def mutant_text(tree_source: str, mu) -> str | None:
     return mutate_code(tree_source, operator, mu.occurrence)
 
 
-def run_verify(args, out: Path, tree: Path, env: dict, modules: list[str], repo: Path, commit: str) -> dict:
+def run_verify(args, out: Path, tree: Path, env: dict, modules: list[str], repo: Path, commit: str,
+               keep=lambda: None) -> dict:
+    """`keep`: called after each mutant's record is written (the results carried in the repository)."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
@@ -233,6 +235,7 @@ def run_verify(args, out: Path, tree: Path, env: dict, modules: list[str], repo:
         with lock:
             results[w.job_id] = rec
             path.write_text(json.dumps(results, indent=1))
+            keep()
             finished[0] += 1
             log(f"[verify] {finished[0]}/{len(todo)} {module}:{mu.start_pos[0]} {mu.operator_name.split('/')[-1]}: "
                 f"{rec['outcome']}" + (f" ({rec['kill']} in {rec['by']})" if rec.get("kill") else "")
