@@ -15,6 +15,8 @@ import gzip
 import json
 from pathlib import Path
 
+from mutation.execute import LOST_WORKER
+
 OUTPUT_TAIL = 1200  # characters of a mutant's test output kept (the failing test's name and assertion)
 
 
@@ -43,7 +45,7 @@ def save(path: Path, session: Path, verify_path: Path, plan_key: dict) -> int:
     exec_results, verify_results = {}, {}
     with use_db(session, WorkDB.Mode.open) as db:
         for item, result in db.completed_work_items:
-            if result.worker_outcome == WorkerOutcome.SKIPPED:
+            if result.worker_outcome == WorkerOutcome.SKIPPED or (result.output or "").startswith(LOST_WORKER):
                 continue
             key = mutant_key(item)
             exec_results[key] = {"worker": result.worker_outcome.value,
@@ -56,8 +58,9 @@ def save(path: Path, session: Path, verify_path: Path, plan_key: dict) -> int:
         record["canary"] = verify["canary"]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8", mtime=0) as f:
-        json.dump(record, f, sort_keys=True, separators=(",", ":"))
+    data = json.dumps(record, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    with gzip.GzipFile(tmp, "wb", mtime=0) as f:  # mtime 0: the same results give the same bytes
+        f.write(data)
     tmp.replace(path)
     return len(exec_results)
 

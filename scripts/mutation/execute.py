@@ -1,10 +1,12 @@
 """Stage 4: `cosmic-ray exec`, locally or with N HTTP workers, each in its own copy of the sandbox."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -37,17 +39,30 @@ def progress(session: Path) -> tuple[int, int]:
         return len(done), db.num_work_items - skipped
 
 
+LOST_WORKER = "Cannot connect to host"  # how cosmic-ray's HTTP distributor records a worker that is gone
+
+
+def forget_lost_workers(session: Path) -> int:
+    """Drops the results a dead worker left: cosmic-ray records a refused connection as the mutant's
+    abnormal outcome, although the mutant never ran; they run again. Returns how many."""
+    with contextlib.closing(sqlite3.connect(session)) as db, db:
+        return db.execute("DELETE FROM work_results WHERE worker_outcome = 'ABNORMAL' AND output LIKE ?",
+                          (LOST_WORKER + "%",)).rowcount
+
+
 def run_exec(args, out: Path, tree: Path, env: dict, modules, test_command: str, timeout: float, repo, commit,
              keep=lambda: None):
     """`keep`: called every minute while mutants run (the results carried in the repository)."""
     session = out / "session.sqlite"
+    if lost := forget_lost_workers(session):
+        log(f"[exec] {lost} results left by a worker that was gone: run again")
     done, total = progress(session)
     if done >= total:
         log(f"[exec] all {total} mutants have results")
         return
     log(f"[exec] {total - done} of {total} mutants to run (per-mutant timeout {timeout:.0f} s, "
         f"{args.workers} worker(s))")
-    workers = []
+    workers, proc = [], None
     config = out / "cosmic-ray.toml"
     try:
         if args.workers > 1:
@@ -84,6 +99,9 @@ def run_exec(args, out: Path, tree: Path, env: dict, modules, test_command: str,
         if proc.returncode != 0:
             raise Stop(f"cosmic-ray exec exited {proc.returncode}; see {out / 'exec.log'}")
     finally:
+        if proc is not None and proc.poll() is None:  # stopped early: the workers go, so must the distributor
+            proc.terminate()
+            proc.wait(timeout=30)
         for w in workers:
             if w.poll() is None:
                 os.killpg(w.pid, signal.SIGTERM)
