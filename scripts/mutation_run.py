@@ -45,6 +45,7 @@ import argparse
 import hashlib
 import json
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -91,6 +92,9 @@ def main(argv=None) -> int:
             p.error(f"unknown verify check {c}; known: {', '.join(VERIFY_CHECKS)}")
     if shutil.which("cosmic-ray") is None:
         p.error("cosmic-ray is not installed: pip install 'cosmic-ray>=8,<9'")
+    # A background run ignores Ctrl-C's signal; stopped with `kill`, it still takes its workers and the
+    # distributor down (the `finally` of each stage) instead of leaving them running mutants.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return run(args)
     except Stop as e:
