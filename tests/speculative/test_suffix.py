@@ -127,7 +127,29 @@ def test_the_better_draft_of_conversation_and_memory_goes():
     assert drafter.propose([1, 2, 5, 9, 1, 2], 8).tokens == [5, 9] and drafter.propose([1, 2, 5, 9, 1, 2], 8).source == "suffix"
 
 
-def test_the_backend_exposes_the_memory_the_settings_ask_for(target):
+def test_the_conversations_draft_goes_when_it_is_as_likely_as_the_memorys_or_more():
+    drafter = suffix_with_memory([1, 2, 9, 9])
+    # the conversation matched "5 1 2" and drafts three tokens; the memory only "1 2", and two
+    draft = drafter.propose([5, 1, 2, 3, 4, 5, 1, 2], 8)
+    assert (draft.tokens, draft.source) == ([3, 4, 5], "suffix")
+    tie = suffix_with_memory([1, 2, 3, 4])  # the same continuation on both sides, counted alike
+    draft = tie.propose([1, 2, 3, 4, 1, 2], 8)
+    assert (draft.tokens, draft.source) == ([3, 4], "suffix")
+
+
+def test_with_the_conversation_paused_the_memory_drafts_and_with_both_nothing_does():
+    drafter = suffix_with_memory([1, 2, 9, 9])
+    drafter.paused = frozenset({"suffix"})
+    draft = drafter.propose([5, 1, 2, 3, 4, 5, 1, 2], 8)
+    assert (draft.tokens, draft.source) == ([9, 9], "history")
+    drafter.paused = frozenset({"suffix", "history"})
+    assert drafter.propose([5, 1, 2, 3, 4, 5, 1, 2], 8).tokens == []
+    alone = make_suffix_drafter(SuffixSettings(memory=False))
+    alone.paused = frozenset({"suffix"})
+    assert alone.propose([1, 2, 3, 1, 2], 8).tokens == []
+
+
+def test_the_backend_exposes_the_memory_the_settings_ask_for(target, drafters):
     bounded = SuffixSettings(memory_replies=3, memory_tokens=50)
     for settings, has in ((SpeculativeSettings("suffix", suffix=bounded), True),
                           (SpeculativeSettings("suffix", suffix=SuffixSettings(memory=False)), False),
@@ -136,3 +158,7 @@ def test_the_backend_exposes_the_memory_the_settings_ask_for(target):
         assert isinstance(backend.memory, SuffixIndex) == has
     memory = SpeculativeBackend(target, make_drafter(SpeculativeSettings("suffix", suffix=bounded), target), 4).memory
     assert (memory.max_sequences, memory.max_tokens) == (3, 50)
+    front = make_suffix_drafter(bounded)  # in front of a model drafter, the memory is still the one filled
+    both = SuffixFirst(drafters["mtp"]("exact"), front, 6, 2)
+    assert SpeculativeBackend(target, both, 4).memory is front.memory
+    assert both.sources == ("suffix", "history", "mtp")  # what the gate and the status bar tell apart

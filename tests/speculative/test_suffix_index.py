@@ -186,3 +186,23 @@ def test_rollback_rebuilds_the_conversation():
     assert index.find([1, 2, 3, 1, 2], 4, loop=True).tokens == [3, 1]
     index.sync([4, 2, 3, 4, 2])
     assert index.find([4, 2, 3, 4, 2], 4, loop=True).tokens == [3, 4] and index.sequences == 1
+
+
+def test_removing_an_older_sequence_leaves_the_newest_growing():
+    index = SuffixIndex(max_sequences=2)
+    for key, tokens in (("a", [1, 2, 3]), ("b", [4, 5, 6]), ("c", [9, 9])):  # "c" evicts "a"
+        index.add(key, tokens)
+    index.extend([4, 5])  # `extend` grows the sequence added last, whatever else went ...
+    index.remove("b")
+    index.extend([6])  # ... evicted or removed
+    assert index.sequence("c") == [9, 9, 4, 5, 6] and index.sequences == 1
+    assert index.find([9, 9], 4).tokens == [4, 5]  # as far as the match is long
+
+
+def test_a_conversation_that_only_grows_is_extended_in_place():
+    index = SuffixIndex()
+    index.sync([1, 2, 3])
+    flat, tables = index.flat, index.tables
+    index.sync([1, 2, 3, 1, 2])  # another list with the same tokens and more: the new ones are added,
+    assert index.flat is flat and index.tables is tables  # nothing is rebuilt
+    assert index.find([1, 2, 3, 1, 2], 4, loop=True).tokens == [3, 1] and index.sequences == 1
