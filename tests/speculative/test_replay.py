@@ -72,3 +72,23 @@ def test_a_token_past_the_reply_is_refused(tiny_pair, drafters):
     for index in (-1, len(out.token_ids)):
         with pytest.raises(ValueError, match=f"token {index} is not in a reply of {len(out.token_ids)} tokens"):
             verify_row_choice(target, prompt, out.token_ids, out.pass_log, index, sampling, spec.strict)
+
+
+def test_recomputed_rows_choose_under_the_runs_constraint(tiny_pair, drafters):
+    """A constrained run's rows chose among the tokens its constraint allowed at each one; the
+    replay applies the same mask (the tiny model's unconstrained choices are mostly not allowed)."""
+    from tests.speculative.test_constrained_parity import MAX, REGEX
+
+    target = engine(tiny_pair[0], "float32")
+    spec = SpeculativeBackend(target, drafters["self"]("exact"), 4, strict=None)
+    request = Request(messages=PROMPTS[1], constraint=REGEX)
+    sampling = Sampling(max_tokens=MAX)
+    out = run_to_summary(fresh(spec).stream(request, sampling))
+    assert out.drafts > 0 and out.prefill_start == 0
+    prompt = target.prompt_ids(request)
+    chosen = [verify_row_choice(target, prompt, out.token_ids, out.pass_log, i, sampling, spec.strict, REGEX)
+              for i in range(len(out.token_ids))]
+    assert chosen == out.token_ids
+    free = [verify_row_choice(target, prompt, out.token_ids, out.pass_log, i, sampling, spec.strict)
+            for i in range(len(out.token_ids))]
+    assert free != out.token_ids  # the mask changed what some row chose: the test can see a replay without it

@@ -212,3 +212,9 @@ def test_a_conversation_that_only_grows_is_extended_in_place():
 def test_anchor_sizes_must_be_positive_and_within_the_longest_match(sizes, max_match):
     with pytest.raises(ValueError, match="anchor sizes"):
         SuffixIndex(sizes=sizes, max_match=max_match)
+
+
+def test_anchors_of_one_token_and_a_longest_match_of_the_largest_anchor_are_allowed():
+    index = SuffixIndex(sizes=(1, 2), max_match=2)
+    index.add("a", [5, 6, 7])
+    assert index.find([9, 6], 4).tokens == [7]  # a one-token anchor
