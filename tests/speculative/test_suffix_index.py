@@ -206,6 +206,8 @@ def test_a_conversation_that_only_grows_is_extended_in_place():
     index.sync([1, 2, 3, 1, 2])  # another list with the same tokens and more: the new ones are added,
     assert index.flat is flat and index.tables is tables  # nothing is rebuilt
     assert index.find([1, 2, 3, 1, 2], 4, loop=True).tokens == [3, 1] and index.sequences == 1
+    index.sync([1, 2, 3, 1, 2])  # another list with the same tokens: nothing to add, nothing rebuilt
+    assert index.flat is flat and index.tables is tables
 
 
 @pytest.mark.parametrize("sizes, max_match", [((), 24), ((0, 2), 24), ((2, 4, 8), 4)])
