@@ -105,4 +105,8 @@ def run_exec(args, out: Path, tree: Path, env: dict, modules, test_command: str,
         for w in workers:
             if w.poll() is None:
                 os.killpg(w.pid, signal.SIGTERM)
-                w.wait(timeout=30)
+                try:
+                    w.wait(timeout=30)
+                except subprocess.TimeoutExpired:  # a worker waits for its mutant's tests: they go too
+                    os.killpg(w.pid, signal.SIGKILL)
+                    w.wait(timeout=30)
