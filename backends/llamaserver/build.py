@@ -36,11 +36,17 @@ BINARY = "llama-server"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON")
-# GGML_NATIVE builds ggml's AMX matrix multiply on a CPU that lists AMX, and that kernel faulted at its
-# first tile load (`ldtilecfg`, SIGSEGV in ggml_backend_amx_mul_mat while the server loads the model)
-# on an AMX Xeon where tiles work once the process asks the kernel for them: the server would stop
-# before it serves. Explicit -mno-amx-* win over -march=native, so the build keeps every other
-# native instruction and ggml takes its AVX512 paths instead.
+# ggml's AMX matrix multiply fills its tile configuration in a local struct and passes it to
+# _tile_loadconfig. GCC's intrinsic (amxtileintrin.h, GCC 12 at least) declares that `ldtilecfg` reads
+# only the struct's first 8 bytes, so -O3 drops the stores of the tile shapes and the instruction
+# loads stack garbage: a general-protection fault, seen as SIGSEGV in ggml_backend_amx_mul_mat while
+# the server warms up (the compiled code holds no store of a row or column count). One empty asm
+# statement that names the whole struct as read keeps every store; with clang's builtin it changes
+# nothing. Where the source no longer holds that call, ggml's AMX kernel is left out instead
+# (explicit -mno-amx-* win over -march=native, so every other native instruction stays).
+AMX_KERNEL_SOURCE = Path("ggml/src/ggml-cpu/amx/mmq.cpp")
+LOAD_TILE_CONFIG = "_tile_loadconfig(&tc);"
+KEEP_TILE_CONFIG = '__asm__ volatile("" : : "m"(tc));  /* specchat: ldtilecfg reads all 64 bytes */ '
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 _PERCENT = re.compile(r"^\[\s*(\d+)%\]")
 PROGRESS_STEP = 5  # percent between two progress lines
@@ -60,17 +66,34 @@ def cpu_lists_amx() -> bool:
     return "amx_tile" in cpu_flags()
 
 
-def cmake_flags() -> tuple[str, ...]:
-    """CMAKE_FLAGS, and on a CPU that lists AMX the flags that leave ggml's AMX kernel out (NO_AMX)."""
-    if not cpu_lists_amx():
+def cmake_flags(amx_kernel_fixed: bool = False) -> tuple[str, ...]:
+    """CMAKE_FLAGS, and on a CPU that lists AMX, unless ggml's tile configuration was fixed in the
+    source (fix_amx_tile_config), the flags that leave ggml's AMX kernel out (NO_AMX)."""
+    if not cpu_lists_amx() or amx_kernel_fixed:
         return CMAKE_FLAGS
     return (*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 
 
+def fix_amx_tile_config(source: Path) -> bool:
+    """Make ggml's AMX kernel load the tile configuration it wrote (see KEEP_TILE_CONFIG); whether
+    the source now holds the fix (an interrupted build finds it already there)."""
+    path = Path(source) / AMX_KERNEL_SOURCE
+    if not path.is_file():
+        return False
+    text = path.read_text()
+    if KEEP_TILE_CONFIG + LOAD_TILE_CONFIG in text:
+        return True
+    if text.count(LOAD_TILE_CONFIG) != 1:
+        return False
+    path.write_text(text.replace(LOAD_TILE_CONFIG, KEEP_TILE_CONFIG + LOAD_TILE_CONFIG))
+    return True
+
+
 def build_dir(cache_dir: Path, version: Optional[str] = None) -> Path:
-    """The build for this binding and CPU; "-noamx" where AMX is left out, so that a binary built
-    with ggml's AMX kernel before is not reused."""
-    suffix = "-noamx" if cpu_lists_amx() else ""
+    """The build for this binding and CPU. On a CPU that lists AMX the folder is its own
+    ("-amxcfg"), so that a binary built before with ggml's broken tile configuration, or without
+    the AMX kernel, is not reused."""
+    suffix = "-amxcfg" if cpu_lists_amx() else ""
     return Path(cache_dir) / BINARY / f"{version or binding_version()}-{cpu_tag()}{suffix}"
 
 
@@ -107,7 +130,8 @@ def ensure_llama_server(cache_dir: Path, progress: Optional[Progress] = None, jo
     if not (source / "tools" / "server").is_dir():
         say(f"fetching the {PACKAGE}=={version} source with pip (it carries llama.cpp)…")
         fetch_source(version, source)
-    configure_and_build(source, root / "build", say, jobs or os.cpu_count() or 1)
+    flags = cmake_flags(amx_kernel_fixed=cpu_lists_amx() and fix_amx_tile_config(source))
+    configure_and_build(source, root / "build", flags, say, jobs or os.cpu_count() or 1)
     built = root / "build" / "bin" / BINARY
     if not built.is_file():
         raise BackendError(f"the llama.cpp build finished without {built}; its log is in {root / 'build'}")
@@ -115,7 +139,8 @@ def ensure_llama_server(cache_dir: Path, progress: Optional[Progress] = None, jo
     shutil.copy2(built, part)
     os.replace(part, root / BINARY)
     (root / "build.json").write_text(json.dumps({"package": PACKAGE, "version": version, "cpu": cpu_tag(),
-                                                 "cmake_flags": list(cmake_flags())}, indent=1))
+                                                 "cmake_flags": list(flags),
+                                                 "amx_kernel": _amx_kernel(flags)}, indent=1))
     for scratch in (source, root / "build"):  # ~400 MB that only this build needed
         shutil.rmtree(scratch, ignore_errors=True)
     say(f"llama-server built: {root / BINARY}")
@@ -153,10 +178,16 @@ def extract_llama_cpp(archive: Path, version: str, dest: Path) -> None:
         tar.extractall(dest, members=members, filter="data")
 
 
-def configure_and_build(source: Path, build: Path, say: Progress, jobs: int) -> None:
+def _amx_kernel(flags: tuple[str, ...]) -> str:
+    if not cpu_lists_amx():
+        return "no AMX on this CPU"
+    return "left out" if any(NO_AMX in f for f in flags) else "built, tile configuration fixed"
+
+
+def configure_and_build(source: Path, build: Path, flags: tuple[str, ...], say: Progress, jobs: int) -> None:
     log = build.parent / "build.log"
     with open(log, "a") as out:
-        steps = [("configuring llama.cpp", ["cmake", "-S", str(source), "-B", str(build), *cmake_flags()]),
+        steps = [("configuring llama.cpp", ["cmake", "-S", str(source), "-B", str(build), *flags]),
                  ("building llama-server", ["cmake", "--build", str(build), "--target", BINARY, "-j", str(jobs)])]
         for label, cmd in steps:
             say(f"{label}…")
