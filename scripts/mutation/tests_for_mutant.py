@@ -177,8 +177,8 @@ def run_selected(map_path: Path, pytest_args: list[str]) -> int:
     nodes = sorted(nodes, key=lambda n: seconds.get(n, 0.0))
     if nodes:
         code = pytest([*options, *nodes])
-        if code == 1:  # a test failed (2-5: interrupted, internal or usage error, nothing collected)
-            return code
+        if code != 0:  # a test failed, or the run broke (a hang cut by the timeout is an internal error):
+            return code  # the subset passes unmutated, so the mutant did it
     code = pytest([*options, *(a for n in nodes for a in ("--deselect", n)), *chosen])
     return 0 if code == 5 and nodes else code  # 5: those files hold no other test, all passed already
 
