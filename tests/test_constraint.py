@@ -154,6 +154,18 @@ def test_drafts_after_an_end_of_sequence_draft_are_never_read():
     assert rows.draft == [0] and rows.allowed.shape == (2, 4) and m.consumed == 1
 
 
+def test_a_draft_past_the_mask_s_vocabulary_is_rejected_at_its_row():
+    """A drafter whose vocabulary is wider than the constraint's (a padded draft model) may propose
+    a token the mask has no entry for: forbidden, like any token the mask does not hold."""
+    m = Dying(consumed=0, limit=10)
+    for beyond in (4, 5):  # the first id past the mask, and one further
+        rows = RowMasks(m, [0, beyond, 1], frozenset())
+        assert rows.draft == [0, beyond] and rows.allowed.shape == (3, 4) and m.consumed == 1
+        rows.settle(1, 2, frozenset())
+        assert m.consumed == 2
+        m.rollback(2)
+
+
 @pytest.mark.parametrize("kind, text, problem", [
     ("json_schema", '{"type": "string", "minLength": 5, "maxLength": 2}', "invalid JSON schema: Unsatisfiable"),
     ("json_schema", '{"type": "objecx"}', "invalid JSON schema"),

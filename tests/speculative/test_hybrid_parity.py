@@ -137,18 +137,57 @@ def test_the_unmutated_rollback_passes_the_same_check(hybrid_pair, mode):
             assert check_prompt(spec, target, Request(messages=messages), sampling)[2].kind == "identical"
 
 
-def test_a_hybrid_draft_model_never_prefills_again(hybrid):
-    """Its state returns into its own proposals' passes, so after the first pass it only ever feeds
-    the tokens it has not seen."""
-    target, drafters = hybrid
-    drafter = drafters["near"]()
-    starts = []
+@pytest.mark.parametrize("depth", [1, 4])
+def test_a_hybrid_draft_model_never_prefills_again(hybrid, hybrid_pair, depth):
+    """Its state returns into its own proposals' passes (the positions it holds returnable), so
+    after the first pass each proposal starts where what it has fed and what it is given part:
+    it feeds only the tokens it has not seen, never one it could have returned to."""
+    from specchat.backends.speculative.loop import common_prefix
+
+    target, _ = hybrid
+    drafter = DraftModelDrafter(engine(hybrid_pair[1]))  # its own: what earlier runs held stays held
+    passes, seen = [], []
     forward = drafter.engine.forward
-    drafter.engine.forward = lambda tokens, start, *a, **k: (starts.append((start, len(tokens))), forward(
-        tokens, start, *a, **k))[1]
+
+    def recorded(tokens, start, *a, **k):
+        full = seen[:start] + list(tokens)
+        passes.append((start, len(tokens), min(common_prefix(seen, full), len(full) - 1)))
+        seen[:] = full
+        return forward(tokens, start, *a, **k)
+
+    drafter.engine.forward = recorded
     try:
-        _, out, verdict = compare(target, drafter, 4, Sampling(max_tokens=40))
+        _, out, verdict = compare(target, drafter, depth, Sampling(max_tokens=40))
     finally:
         drafter.engine.forward = forward
     assert verdict.kind == "identical" and out.accepted_tokens > 0
-    assert all(n <= 5 for start, n in starts[1:]), starts  # catch-up passes of at most depth + 1 tokens
+    assert passes[0][0] == 0 and len(passes) > 20
+    assert all(start == earliest for start, _, earliest in passes[1:]), passes
+    assert all(n <= depth + 1 for _, n, _ in passes[1:]), passes  # catch-up passes of at most depth + 1 tokens
+
+
+def test_a_hybrid_draft_model_returns_into_a_catch_up_pass_after_its_own_guesses(hybrid_pair):
+    """Behind another drafter (draft+lookup) the draft model may catch up depth + 1 tokens it never
+    drafted, then guess depth - 1 more: its next proposal must still be able to return to any of
+    those 2 * depth positions (it holds 2 * depth + 2 returnable) instead of prefilling again."""
+    depth = 4
+    drafter = DraftModelDrafter(engine(hybrid_pair[1]))
+    prompt = engine(hybrid_pair[0]).prompt_ids(Request(messages=PROMPTS[0]))
+    drafter.start(prompt[:-1], {}, Sampling())
+    first = drafter.propose(prompt, depth).tokens
+    others = [t for t in range(3, 40) if t not in first][:depth + 1]  # what the other drafter's run committed
+    drafter.propose(prompt + others, depth)  # a catch-up pass of depth + 1 tokens, then its guesses
+    fed, forward = [], drafter.engine.forward
+
+    def recorded(tokens, start, *a, **k):
+        fed.append((start, len(tokens)))
+        return forward(tokens, start, *a, **k)
+
+    drafter.engine.forward = recorded
+    own = next(t for t in range(3, 40) if t not in others)
+    for kept in (1, depth):  # into the catch-up pass, and just past it
+        fed.clear()
+        committed = prompt + others[:kept] + [own]
+        drafter.propose(committed, depth)
+        assert fed[0] == (len(committed) - 1, 1), fed  # only the token it has not seen
+        drafter.propose(prompt + others, depth)

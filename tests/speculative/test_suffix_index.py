@@ -210,6 +210,31 @@ def test_a_conversation_that_only_grows_is_extended_in_place():
     assert index.flat is flat and index.tables is tables
 
 
+class Watched(list):
+    """The loop's token list, noting every read of its head (what comparing it with the index costs)."""
+
+    def __init__(self, tokens):
+        super().__init__(tokens)
+        self.heads_read = []
+
+    def __getitem__(self, i):
+        if isinstance(i, slice) and not i.start:
+            self.heads_read.append(i.stop)
+        return super().__getitem__(i)
+
+
+def test_the_loop_s_own_list_grown_again_is_extended_without_comparing_what_it_held():
+    index, tokens = SuffixIndex(), Watched([1, 2, 3, 1])
+    index.sync(tokens)
+    for more in ([2], [3, 1], [2, 3]):  # each pass: the same list, only extended
+        tokens.extend(more)
+        tokens.heads_read.clear()
+        index.sync(tokens)
+        assert tokens.heads_read == []  # a long chat costs nothing more per pass
+    assert index.flat.tolist() == [1, 2, 3, 1, 2, 3, 1, 2, 3] and index.sequences == 1
+    assert index.find(tokens, 4, loop=True).tokens == [1, 2, 3, 1]
+
+
 @pytest.mark.parametrize("sizes, max_match", [((), 24), ((0, 2), 24), ((2, 4, 8), 4)])
 def test_anchor_sizes_must_be_positive_and_within_the_longest_match(sizes, max_match):
     with pytest.raises(ValueError, match="anchor sizes"):
