@@ -24,8 +24,9 @@ llm.eval(llm.tokenize(b"probe the batch path", add_bos=False))
 def extra_buffers_work(gguf_path: Path, cache_dir: Path | None = None) -> bool:
     """Whether llama.cpp's extra CPU buffer types (AMX, repacked weights) survive a batched eval.
 
-    A native build can pick the AMX path on CPUs that advertise AMX where it then segfaults on
-    any multi-token batch. We probe once per llama.cpp version in a child process and remember
+    Built by pip with GCC, the binding's AMX kernel loads a tile configuration whose stores the
+    compiler dropped (llamaserver/build.py fixes its own build) and segfaults on any multi-token
+    batch on a CPU with AMX. We probe once per llama.cpp version in a child process and remember
     the answer (in `cache_dir` across processes, when given); without them llama.cpp stays
     correct, just without those kernels."""
     import importlib.metadata

@@ -170,7 +170,6 @@ def messages_for(profile: Profile, history: list[dict], system: str | None = Non
 def load_llamaserver(profile: Profile, progress=None):
     """The llama-server specchat starts for a profile (building the binary first if this machine has
     none): the profile's GGUF with llama.cpp's speculation for its method."""
-    from specchat.backends.llamacpp import extra_buffers_work
     from specchat.backends.llamaserver.backend import LlamaServerBackend, LlamaServerSettings
     from specchat.backends.llamaserver.build import ensure_llama_server
     from specchat.backends.llamaserver.flags import speculation_args
@@ -197,9 +196,18 @@ def load_llamaserver(profile: Profile, progress=None):
     settings = LlamaServerSettings(
         path, profile.model, context=profile.context, threads=profile.threads, spec=tuple(args),
         extra=tuple(config.args), port=config.port, startup_timeout_s=config.startup_timeout_s,
-        timeout_s=config.timeout_s, repack=extra_buffers_work(path, paths.cache_dir()), slots=config.slots)
+        timeout_s=config.timeout_s, repack=server_extra_buffers_work(config.binary, path), slots=config.slots)
     log = paths.cache_dir() / "llama-server" / "logs" / f"{profile.name.replace(':', '-')}.log"
     return LlamaServerBackend(binary, settings, log=log, where=where)
+
+
+def server_extra_buffers_work(user_binary, gguf: Path) -> bool:
+    """Whether llama-server may use llama.cpp's extra buffers (AMX, repacked weights). The server
+    specchat builds has ggml's AMX kernel fixed or left out (llamaserver/build.py), so they work; a
+    binary of the user's own is trusted as far as the installed binding's build survives them."""
+    from specchat.backends.llamacpp import extra_buffers_work
+
+    return True if not user_binary else extra_buffers_work(gguf, paths.cache_dir())
 
 
 def drafter_gguf(profile: Profile) -> Path:

@@ -146,3 +146,16 @@ def test_the_fixed_tile_configuration_loads_where_ggml_as_shipped_faults(tmp_pat
     assert run(kernel.read_text()) == 0
     shipped = run(GGML_TILE_CONFIG_INIT)  # faults (SIGSEGV) with GCC 12's intrinsic; a fixed compiler loads it
     assert shipped in (0, -signal.SIGSEGV)
+
+
+def test_the_server_built_here_keeps_llama_cpps_extra_buffers_whatever_the_binding_s_build_survives(tmp_path,
+                                                                                                    monkeypatch):
+    """Its AMX kernel is fixed or left out (above), so the binding's probe, which fails on a CPU with
+    AMX (the binding's own build has the broken configuration), does not take AMX and repacked
+    weights from it; a binary of the user's own is still judged by the probe."""
+    from specchat import loading
+    from specchat.backends import llamacpp
+
+    monkeypatch.setattr(llamacpp, "extra_buffers_work", lambda *a, **k: False)
+    assert loading.server_extra_buffers_work(None, tmp_path / "m.gguf")
+    assert not loading.server_extra_buffers_work("my/llama-server", tmp_path / "m.gguf")
