@@ -166,6 +166,31 @@ def test_one_long_removed_sequence_is_compacted_away_at_once():
     assert index.find([1, 2], 4).tokens == [3, 4] and index.find([5, 6], 4).tokens == []
 
 
+def test_a_few_removed_tokens_among_many_live_ones_are_left_as_separators():
+    index = SuffixIndex()
+    index.add("kept", [5 + t % 7 for t in range(2000)])
+    index.add("gone", [1, 2, 3, 4])
+    flat = index.flat
+    index.remove("gone")  # 4 removed tokens against 2000 live ones: not worth a rebuild
+    assert index.flat is flat and len(flat) == 2005 and index.live_tokens == 2000
+    assert index.find([1, 2], 4).tokens == [] and index.find([5, 6], 2).tokens == [7, 8]
+
+
+def positions_indexed(index: SuffixIndex) -> list[int]:
+    """How many positions each anchor table holds."""
+    return [sum(1 if type(held) is int else len(held) for held in table.values()) for table in index.tables]
+
+
+def test_only_n_grams_inside_one_sequence_are_indexed():
+    """An n-gram is kept for the token after it only while it lies inside that token's sequence:
+    none reaches over a separator into the sequence before, nor before the pool's start."""
+    index = SuffixIndex(sizes=(2, 4), max_match=8)
+    index.add("a", [1, 2, 3])
+    index.add("b", [4, 5, 6, 7, 8])
+    # a sequence of L tokens holds L - size positions for each anchor size below L
+    assert positions_indexed(index) == [(3 - 2) + (5 - 2), 5 - 4]
+
+
 def test_an_n_gram_whose_hash_equals_the_tail_s_is_not_an_occurrence_of_it():
     # two 4-grams with one hash under CPython's (64-bit) tuple hash, found by search: the tables are
     # keyed by the hash, so only comparing the tokens tells them apart
