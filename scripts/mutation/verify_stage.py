@@ -48,15 +48,32 @@ CANARY = ("backends/speculative/acceptance.py",
           "    while n < len(draft) and (draft[n] == target_choice[n] or n == 0):\n")
 
 
+RUNNING: set[subprocess.Popen] = set()  # the checks under way, stopped when the run is (stop_checks)
+STOPPING = threading.Event()
+
+
+def stop_checks() -> None:
+    """End the checks under way and start no other: their outcomes are not recorded."""
+    STOPPING.set()
+    for proc in list(RUNNING):
+        proc.kill()
+
+
 def run_check(sandbox: Path, env: dict, check: str, timeout: float) -> tuple[str, str]:
     """One `specchat verify` check in a sandbox: ("passed (N s)" or "killed: KIND (N s)", its output)."""
     start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "specchat.cli", "verify", *verify_argv(check)],
+                            cwd=sandbox, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    RUNNING.add(proc)
     try:
-        done = subprocess.run([sys.executable, "-m", "specchat.cli", "verify", *verify_argv(check)],
-                              cwd=sandbox, env=env, capture_output=True, text=True, timeout=timeout)
-        code, text = done.returncode, done.stdout + done.stderr
+        out, err = proc.communicate(timeout=timeout)
+        code, text = proc.returncode, out + err
     except subprocess.TimeoutExpired as e:
+        proc.kill()
+        proc.communicate()
         code, text = "timeout", str(e)
+    finally:
+        RUNNING.discard(proc)
     secs = time.monotonic() - start
     if code == 0:
         return f"passed ({secs:.0f} s)", text
@@ -221,10 +238,14 @@ def run_verify(args, out: Path, tree: Path, env: dict, modules: list[str], repo:
             try:
                 (sandbox / module).write_text(mutated, encoding="utf-8")
                 for check in checks:
+                    if STOPPING.is_set():
+                        return
                     if not set(base["checks"][check]["lines"].get(module, [])).intersection(lines):
                         rec["checks"][check] = "not reached"
                         continue
                     rec["checks"][check], text = run_check(sandbox, env, check, timeout[check])
+                    if STOPPING.is_set():  # cut short by the stop, not by the mutant: not recorded
+                        return
                     if rec["checks"][check].startswith("killed: "):
                         kind = rec["checks"][check][len("killed: "):].rsplit(" (", 1)[0]
                         rec.update(outcome="killed-verify", kill=kind, by=check, output=text.strip().splitlines()[-8:])
@@ -241,9 +262,15 @@ def run_verify(args, out: Path, tree: Path, env: dict, modules: list[str], repo:
                 f"{rec['outcome']}" + (f" ({rec['kill']} in {rec['by']})" if rec.get("kill") else "")
                 + (f"  [{', '.join(f'{k}: {v}' for k, v in rec['checks'].items())}]" if rec["checks"] else ""))
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(trees)) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(trees))
+    try:
         for f in [pool.submit(verify_one, w) for w in todo]:
             f.result()
+    except BaseException:  # a stop (SIGTERM's SystemExit) or a failure: no mutant after it is checked
+        stop_checks()
+        pool.shutdown(wait=True, cancel_futures=True)  # the mutated sandboxes are restored in verify_one
+        raise
+    pool.shutdown()
     for t in trees:
         for m in modules:
             if (t / m).read_text(encoding="utf-8") != committed_text(repo, commit, m):
