@@ -29,6 +29,11 @@ VERIFY_CHECKS = {  # name -> `specchat verify` arguments; run in this order, the
     "mtp-lookup-t0.7": ["-p", "smollm2-mtp-lookup", *_V, "--temperature", "0.7", "--seed", "1"],
     "ngram-nonstrict": ["-p", "smollm2-ngram", *_V, "--set", "speculative.strict=false"],
     "mtp-lookup-nonstrict": ["-p", "smollm2-mtp-lookup", *_V, "--set", "speculative.strict=false"],
+    # suffix decoding and constrained decoding, which the checks above never run (no history: the
+    # memory holds what the check's own replies taught it, nothing of the machine's chats)
+    "suffix": ["-p", "smollm2-suffix", *_V, "--set", "speculative.suffix.history=false"],
+    "suffix-schema": ["-p", "smollm2-suffix", "--prompts", "scripts/extraction-prompts.jsonl", "--limit", "4",
+                      "--max-tokens", "64", "--set", "speculative.suffix.history=false"],
 }
 
 
