@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mutation.common import DEFAULT_REPO, PROMPTS, committed_text, log
 from mutation.scope import RULES, family
-from mutation.verify_stage import CANARY_KEY, equivalent_reason, mutant_text, mutation_lines
+from mutation.verify_stage import CANARY_KEY, equivalent_reason, mutant_text, mutation_context, mutation_lines
 
 
 # --- stage 6: report -------------------------------------------------------------------------------
@@ -81,9 +81,11 @@ def report(out: Path, repo: Path, commit: str, plan: dict, verify: dict, equival
             mutated = mutant_text(sources[module], mu)
             if mutated is not None:
                 row["original"], row["mutated"] = mutation_lines(sources[module], mutated)
+                row["before"] = mutation_context(sources[module], mutated)
                 row["diff"] = "\n".join(difflib.unified_diff(sources[module].splitlines(), mutated.splitlines(),
                                                              f"a/{module}", f"b/{module}", lineterm="", n=2))
-                reason = equivalent_reason(equivalents, module, mu.operator_name, row["original"], row["mutated"])
+                reason = equivalent_reason(equivalents, module, mu.operator_name, row["original"], row["mutated"],
+                                           row["before"])
                 if reason and status in ("survived", "survived-tests", "equivalent", "pending"):
                     row["status"], row["equivalent"] = "equivalent", reason
                 elif reason:  # the hand-kept list says it cannot change output, yet something killed it
@@ -146,6 +148,7 @@ def report(out: Path, repo: Path, commit: str, plan: dict, verify: dict, equival
                "If it cannot change output, add to `scripts/mutation/equivalent.toml`:", "", "```toml",
                "[[equivalent]]", f"module = {json.dumps(r['module'])}", f"operator = {json.dumps(r['operator'])}",
                f"original = {json.dumps(r.get('original', ''))}", f"mutated = {json.dumps(r.get('mutated', ''))}",
+               f"# before = {json.dumps(r.get('before', ''))}  (only where the line's text stands elsewhere too)",
                'reason = "..."', "```", ""]
     eq_rows = [r for r in rows if r["status"] == "equivalent"]
     if eq_rows:

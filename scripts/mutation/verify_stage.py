@@ -158,6 +158,17 @@ def mutation_lines(original: str, mutated: str) -> tuple[str, str]:
     return norm(old), norm(new)
 
 
+def mutation_context(original: str, mutated: str) -> str:
+    """The nearest non-blank line above the first changed one (whitespace runs as one space): what
+    an equivalent.toml entry's optional `before` names where the changed line's text stands
+    elsewhere in the module too (a bare `break`)."""
+    a, b = original.splitlines(), mutated.splitlines()
+    first = next((i1 for tag, i1, *_ in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+                  if tag != "equal"), 0)
+    above = [line for line in a[:first] if line.strip()]
+    return " ".join(above[-1].split()) if above else ""
+
+
 def load_equivalents(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -170,13 +181,19 @@ def load_equivalents(path: Path) -> list[dict]:
         for key in ("module", "operator", "original", "mutated", "reason"):
             if not isinstance(e.get(key), str) or not e[key].strip():
                 raise Stop(f"{path}: an [[equivalent]] entry lacks `{key}`: {e}")
+        if "before" in e and not isinstance(e["before"], str):
+            raise Stop(f"{path}: an [[equivalent]] entry's `before` is not a string: {e}")
     return entries
 
 
-def equivalent_reason(entries, module: str, operator: str, original: str, mutated: str) -> str | None:
+def equivalent_reason(entries, module: str, operator: str, original: str, mutated: str,
+                      before: str = "") -> str | None:
+    """The reason of the entry that names this mutant (`before`: mutation_context's line, checked
+    only where the entry gives one)."""
     for e in entries:
         if (e["module"], e["operator"], " ".join(e["original"].split()), " ".join(e["mutated"].split())) == \
-                (module, operator, " ".join(original.split()), " ".join(mutated.split())):
+                (module, operator, " ".join(original.split()), " ".join(mutated.split())) \
+                and ("before" not in e or " ".join(e["before"].split()) == before):
             return e["reason"]
     return None
 
@@ -234,7 +251,8 @@ def run_verify(args, out: Path, tree: Path, env: dict, modules: list[str], repo:
         rec = {"checks_asked": checks, "checks": {}}
         if mutated is None:
             rec["outcome"] = "not-applied"
-        elif reason := equivalent_reason(equivalents, module, mu.operator_name, *mutation_lines(original, mutated)):
+        elif reason := equivalent_reason(equivalents, module, mu.operator_name, *mutation_lines(original, mutated),
+                                         before=mutation_context(original, mutated)):
             rec.update(outcome="equivalent", reason=reason)
         else:
             rec["outcome"] = "survived"
