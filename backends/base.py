@@ -236,6 +236,9 @@ class Backend(ABC):
     """
 
     name: str = "backend"
+    # How this backend runs below its best on this machine, in a line its numbers are never read
+    # without (None: nothing to say); the bench prints it under its table.
+    caveat: Optional[str] = None
 
     @property
     @abstractmethod

@@ -103,6 +103,9 @@ class LlamaCppBackend(Backend):
         read_index(path, cache_dir)
         self.threads = thread_count(threads)
         safe = extra_buffers_work(path, cache_dir)
+        if not safe:
+            self.caveat = ("llama.cpp's extra CPU buffers (AMX, repacked weights) are off: llama-cpp-python's "
+                           "build faults with them on this CPU; llama-server, built here, runs them")
         try:
             with _quiet_stderr(), (contextlib.nullcontext() if safe else without_extra_buffers()):
                 self.llm = Llama(model_path=str(path), n_ctx=context, n_threads=self.threads,

@@ -37,6 +37,7 @@ class ProfileResult:
     load_s: float = 0.0
     repeat: int = 1  # times each prompt was run; `runs` holds each prompt's median run (median_run)
     under_load: Optional[LoadRun] = None  # the prompts again with several in flight (bench --concurrency)
+    caveat: Optional[str] = None  # the backend's own line on how it runs below its best here
 
     def subset(self, task: Optional[str]) -> list[Summary]:
         return [r.summary for r in self.runs if task is None or r.prompt.task == task]
@@ -178,6 +179,7 @@ def bench(profiles: list[Profile], prompts: list[PromptItem],
         t0 = time.perf_counter()
         backend = factory()
         res.load_s = time.perf_counter() - t0
+        res.caveat = backend.caveat
         warm_up(backend, res.profile)
         return backend
 
@@ -255,7 +257,7 @@ def to_json(results: list[ProfileResult]) -> dict:
             "decode_tok_s": r.decode_tok_s(), "ttft_s": r.ttft_s(), "mean_accepted": r.mean_accepted(),
             "tokens_per_pass": r.tokens_per_pass(), "acceptance_by_position": r.acceptance_by_position(),
             "reference": r.reference, "speedup": speedup(results, r), "load_s": r.load_s,
-            "suffix_memory": r.memory(),
+            "suffix_memory": r.memory(), "caveat": r.caveat,
             "under_load": None if r.under_load is None else {
                 "concurrency": r.under_load.concurrency, "tok_s": r.under_load.tok_s,
                 "alone_tok_s": alone_tok_s(r), "changed": r.under_load.changed, "changed_at": r.under_load.changed_at},
@@ -328,7 +330,7 @@ def render(results: list[ProfileResult]):
                      ttft(r.ttft_s()), f"{r.mean_accepted():.2f}" if speculated else "-",
                      f"{per_pass:.2f}" if per_pass else "-", f"{sp:.2f}x" if sp else "-")
     tasks = tasks_of(results)
-    warmth = memory_lines(results) + load_lines(results)
+    warmth = memory_lines(results) + load_lines(results) + [f"{r.label}: {r.caveat}" for r in results if r.caveat]
     if len(tasks) < 2:
         return Group(main, "", *warmth) if warmth else main
     by_task = compact_table("speed-up by subtask", "plain numbers: decode tok/s (rows without a reference)")

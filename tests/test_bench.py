@@ -194,3 +194,24 @@ def test_bench_warms_the_suffix_memory_with_the_runs_earlier_replies_only(isolat
     text = " ".join(console.export_text().split())
     assert "tiny-suffix: the suffix memory held the run's earlier replies, 0 to 2" in text
     assert "tiny-suffix:empty-history: the same drafter with no memory of earlier replies" in text
+
+
+def test_a_backend_running_below_its_best_here_says_so_under_the_table(monkeypatch):
+    """A peer that runs handicapped on this machine (llama.cpp in-process without its AMX buffers)
+    is never read without its line: under the table, and in the JSON."""
+    log: list = []
+
+    def load(p):
+        backend = Paced(p.name, SPEEDS[p.name], log)
+        if p.name == "smollm2":
+            backend.caveat = "its extra CPU buffers are off here"
+        return backend
+
+    monkeypatch.setattr(bench, "load_backend", load)
+    ps = load_profiles()
+    results = bench.bench([ps.get("smollm2"), ps.get("smollm2-ngram")], [PromptItem("1", ["first prompt"])])
+    console = Console(record=True, width=100)
+    console.print(bench.render(results))
+    assert "smollm2: its extra CPU buffers are off here" in console.export_text()
+    rows = {r["label"]: r for r in bench.to_json(results)["rows"]}
+    assert rows["smollm2"]["caveat"] == "its extra CPU buffers are off here" and rows["smollm2-ngram"]["caveat"] is None

@@ -129,3 +129,16 @@ def test_the_next_turn_reuses_the_cached_prefix_and_says_how_much(tiny, tiny_pat
         assert out.token_ids == run_to_summary(cold.stream(second, Sampling(max_tokens=8))).token_ids  # as a cold cache
     finally:
         cold.close()
+
+
+def test_without_llama_cpps_extra_buffers_the_backend_says_so(tiny, tiny_path, monkeypatch):
+    import specchat.backends.llamacpp as module
+
+    assert (tiny.caveat is None) == module.extra_buffers_work(tiny_path)  # this CPU's own answer
+    monkeypatch.setattr(module, "extra_buffers_work", lambda *a: False)  # as on a CPU where they fault
+    backend = LlamaCppBackend(tiny_path, context=128, threads=2)
+    try:
+        assert "extra CPU buffers (AMX, repacked weights) are off" in backend.caveat
+        assert run_to_summary(backend.stream(Request(messages=CHAT), Sampling(max_tokens=4))).tokens > 0
+    finally:
+        backend.close()

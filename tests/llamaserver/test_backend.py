@@ -50,6 +50,7 @@ def test_target_only_greedy_reply_is_the_local_llamacpp_backends(plain, start, d
     from specchat.backends.llamacpp import LlamaCppBackend, extra_buffers_work
 
     server = plain if extra_buffers_work(default_gguf) else start(repack=False)
+    assert plain.caveat is None and (server.caveat is None) == server.settings.repack  # --no-repack says so
     local = LlamaCppBackend(default_gguf, context=2048, threads=2)
     try:
         for messages in (ASK, COPY):
