@@ -173,7 +173,8 @@ class LlamaServerBackend(OpenAIBackend):
     def __init__(self, binary: Path, settings: LlamaServerSettings, *, log: Path, where: str = "llama-server"):
         self.settings = settings
         if not settings.repack:
-            self.caveat = "llama-server runs with --no-repack: llama.cpp's extra CPU buffers (AMX, repacked weights) are off"
+            self.caveat = ("llama-server runs with --no-repack: llama.cpp's extra CPU buffers (AMX, repacked "
+                           "weights) are off")
         self.spec_label = spec_label(settings.spec)
         args = server_args(settings.model, settings.alias, settings.context, settings.threads, spec=settings.spec,
                            extra=settings.extra, repack=settings.repack, slots=settings.slots)

@@ -130,7 +130,10 @@ def ensure_llama_server(cache_dir: Path, progress: Optional[Progress] = None, jo
     if not (source / "tools" / "server").is_dir():
         say(f"fetching the {PACKAGE}=={version} source with pip (it carries llama.cpp)…")
         fetch_source(version, source)
-    flags = cmake_flags(amx_kernel_fixed=cpu_lists_amx() and fix_amx_tile_config(source))
+    amx = cpu_lists_amx()
+    fixed = amx and fix_amx_tile_config(source)
+    amx_kernel = ("built, tile configuration fixed" if fixed else "left out") if amx else "no AMX on this CPU"
+    flags = cmake_flags(amx_kernel_fixed=fixed)
     configure_and_build(source, root / "build", flags, say, jobs or os.cpu_count() or 1)
     built = root / "build" / "bin" / BINARY
     if not built.is_file():
@@ -140,7 +143,7 @@ def ensure_llama_server(cache_dir: Path, progress: Optional[Progress] = None, jo
     os.replace(part, root / BINARY)
     (root / "build.json").write_text(json.dumps({"package": PACKAGE, "version": version, "cpu": cpu_tag(),
                                                  "cmake_flags": list(flags),
-                                                 "amx_kernel": _amx_kernel(flags)}, indent=1))
+                                                 "amx_kernel": amx_kernel}, indent=1))
     for scratch in (source, root / "build"):  # ~400 MB that only this build needed
         shutil.rmtree(scratch, ignore_errors=True)
     say(f"llama-server built: {root / BINARY}")
@@ -176,12 +179,6 @@ def extract_llama_cpp(archive: Path, version: str, dest: Path) -> None:
             m.name = m.name[len(prefix):]
         members = [m for m in members if m.name and (m.isfile() or m.isdir() or m.issym())]
         tar.extractall(dest, members=members, filter="data")
-
-
-def _amx_kernel(flags: tuple[str, ...]) -> str:
-    if not cpu_lists_amx():
-        return "no AMX on this CPU"
-    return "left out" if any(NO_AMX in f for f in flags) else "built, tile configuration fixed"
 
 
 def configure_and_build(source: Path, build: Path, flags: tuple[str, ...], say: Progress, jobs: int) -> None:
