@@ -29,7 +29,8 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("q4_op.cpp", "q4_ref.cpp", "q4_avx2.cpp", "q4_avx512vnni.cpp", "attention_avx512.cpp")
+SOURCES = ("q4_op.cpp", "q4_ref.cpp", "q4_avx2.cpp", "q4_avx512vnni.cpp", "attention_avx512.cpp",
+           "kquant_ref.cpp", "kquant_avx2.cpp", "kquant_avx512vnni.cpp")
 KERNEL_DIR = Path(__file__).parent / "kernels"
 TILE_COLS = 16
 INT4_GROUP = 32  # inputs a scale covers (int4.INT4_GROUP; not imported: int4.py imports this module)
@@ -94,6 +95,10 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("specchat::q4_linear")
     def _(x: Tensor, tiles: Tensor, n: int) -> Tensor:
+        return x.new_empty(*x.shape[:-1], n)
+
+    @torch.library.register_fake("specchat::kq_linear")
+    def _(x: Tensor, tiles: Tensor, type: int, n: int) -> Tensor:
         return x.new_empty(*x.shape[:-1], n)
 
     @torch.library.register_fake("specchat::attend_rows")

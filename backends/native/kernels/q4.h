@@ -11,6 +11,26 @@
 // is split over columns only, never over K), not on the ISA.
 #pragma once
 #include <cstdint>
+#include <cstring>
+
+// IEEE float16 -> float32, exact (as F16C's vcvtph2ps)
+inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);  // inf, nan
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {  // subnormal: normalize
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
 
 #define Q4_BLOCK 32  // weights per group along K
 #define Q4_COLS 16   // output columns per tile
@@ -35,6 +55,7 @@ struct q8_row {
     const float* d;
     const float* s;
     const int32_t* sum;
+    const int32_t* sum16;  // the integer sums of each half block [K / 16] (kquant.h's Q6_K)
 };
 
 // Columns 16 nb .. 16 nb + 15 of rows 0..M-1 (M <= 16): tiles of that column block [K / 32];

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "kquant.h"
 #include "q4.h"
 
 namespace {
@@ -27,6 +28,7 @@ struct Isa {
     head_dot_fn dot;
     head_range_fn range;
     head_pick_fn pick;
+    const kq_kernels* kq;
     bool (*available)();
 };
 
@@ -43,9 +45,11 @@ bool has_avx512vnni() {
 // best first
 const Isa ISAS[] = {
     {"avx512vnni", q4_block_avx512vnni, q8_head_avx512vnni, q8_quantize_avx512vnni, head_dot_avx512vnni,
-     head_range_avx512vnni, head_pick_avx512vnni, has_avx512vnni},
-    {"avx2", q4_block_avx2, q8_head_avx2, q8_quantize_avx2, head_dot_ref, head_range_ref, head_pick_ref, has_avx2},
-    {"ref", q4_block_ref, q8_head_ref, q8_quantize_ref, head_dot_ref, head_range_ref, head_pick_ref, always}};
+     head_range_avx512vnni, head_pick_avx512vnni, &kq_avx512vnni, has_avx512vnni},
+    {"avx2", q4_block_avx2, q8_head_avx2, q8_quantize_avx2, head_dot_ref, head_range_ref, head_pick_ref, &kq_avx2,
+     has_avx2},
+    {"ref", q4_block_ref, q8_head_ref, q8_quantize_ref, head_dot_ref, head_range_ref, head_pick_ref, &kq_ref,
+     always}};
 
 const Isa* find(const std::string& name) {
     for (const Isa& isa : ISAS)
@@ -94,16 +98,25 @@ struct QuantizedRows {
     std::vector<float> row;  // one row as float32
     std::vector<int8_t> q;
     std::vector<float> d, s;
-    std::vector<int32_t> sum;
+    std::vector<int32_t> sum, sum16;
     std::vector<q8_row> rows;
 
-    void fill(const at::Tensor& x, int64_t K, const Isa& isa) {
+    // halves: also the integer sums of each half block (kquant.h's Q6_K)
+    void fill(const at::Tensor& x, int64_t K, const Isa& isa, bool halves = false) {
         const int64_t M = x.numel() / K, kb = K / Q4_BLOCK;
         row.resize(K), q.resize(M * K), d.resize(M * kb), s.resize(M * kb), sum.resize(M * kb), rows.resize(M);
+        if (halves) sum16.resize(2 * M * kb);
         for (int64_t m = 0; m < M; m++) {
             isa.quantize(as_float(x, m, K), (int)K, q.data() + m * K, d.data() + m * kb, s.data() + m * kb,
                          sum.data() + m * kb);
-            rows[m] = {q.data() + m * K, d.data() + m * kb, s.data() + m * kb, sum.data() + m * kb};
+            rows[m] = {q.data() + m * K, d.data() + m * kb, s.data() + m * kb, sum.data() + m * kb, nullptr};
+            if (!halves) continue;
+            for (int64_t h = 0; h < 2 * kb; h++) {
+                int32_t t = 0;
+                for (int k = 0; k < Q4_BLOCK / 2; k++) t += q[m * K + h * (Q4_BLOCK / 2) + k];
+                sum16[2 * m * kb + h] = t;
+            }
+            rows[m].sum16 = sum16.data() + 2 * m * kb;
         }
     }
 
@@ -156,6 +169,56 @@ at::Tensor linear_on(const at::Tensor& x_in, const at::Tensor& tiles, int64_t n,
                             static_cast<uint16_t*>(out)[at + c] = to_bf16(acc[m * Q4_COLS + c]);
                     else
                         std::memcpy(static_cast<float*>(out) + at, acc + m * Q4_COLS, sizeof(float) * Q4_COLS);
+                }
+            }
+    });
+    return y;
+}
+
+kq_block_fn kq_kernel(const Isa& isa, int64_t type) {
+    switch (type) {
+        case KQ_Q8_0: return isa.kq->q8_0;
+        case KQ_Q4_K: return isa.kq->q4_k;
+        case KQ_Q5_K: return isa.kq->q5_k;
+        case KQ_Q6_K: return isa.kq->q6_k;
+        default: TORCH_CHECK(false, "kq_linear: GGUF type ", type, " has no kernel (Q8_0, Q4_K, Q5_K, Q6_K)");
+    }
+}
+
+// x [..., K] times the tiles of W [n, K] in GGUF type `type` (kquant.h) -> [..., n] in x's dtype.
+at::Tensor kq_linear_on(const at::Tensor& x_in, const at::Tensor& tiles, int64_t type, int64_t n, const Isa& isa) {
+    const int64_t K = x_in.size(-1);
+    check_input(x_in, tiles, K, "kq_linear");
+    const kq_block_fn block = kq_kernel(isa, type);
+    TORCH_CHECK(n % KQ_COLS == 0, "kq_linear: n % 16 must be 0");
+    TORCH_CHECK(type == KQ_Q8_0 || K % KQ_SUPER == 0, "kq_linear: K % 256 must be 0 for a K-quant");
+    const int64_t kb = K / Q4_BLOCK, nb = n / KQ_COLS, per_block = kb * kq_block_bytes((int)type);
+    TORCH_CHECK(tiles.numel() == nb * per_block, "kq_linear: tiles do not match [n, K] in this type");
+    const at::Tensor x = x_in.contiguous();
+    const int64_t M = x.numel() / K;
+    thread_local QuantizedRows quantized;
+    quantized.fill(x, K, isa, type == KQ_Q6_K);
+
+    std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+    shape.back() = n;
+    at::Tensor y = at::empty(shape, x_in.options());
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    void* out = y.data_ptr();
+    const uint8_t* w = tiles.data_ptr<uint8_t>();
+    const q8_row* rows = quantized.rows.data();
+    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {  // over column blocks only, as linear_on
+        float acc[16 * KQ_COLS];
+        for (int64_t b = b0; b < b1; b++)
+            for (int64_t m0 = 0; m0 < M; m0 += 16) {
+                const int here = (int)std::min<int64_t>(16, M - m0);
+                block(w + b * per_block, (int)kb, rows + m0, here, acc, KQ_COLS);
+                for (int m = 0; m < here; m++) {
+                    const int64_t at = (m0 + m) * n + b * KQ_COLS;
+                    if (bf16)
+                        for (int c = 0; c < KQ_COLS; c++)
+                            static_cast<uint16_t*>(out)[at + c] = to_bf16(acc[m * KQ_COLS + c]);
+                    else
+                        std::memcpy(static_cast<float*>(out) + at, acc + m * KQ_COLS, sizeof(float) * KQ_COLS);
                 }
             }
     });
@@ -339,6 +402,15 @@ at::Tensor q4_linear_on(const at::Tensor& x, const at::Tensor& tiles, int64_t n,
     return linear_on(x, tiles, n, named(isa));
 }
 
+at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t type, int64_t n) {
+    return kq_linear_on(x, tiles, type, n, chosen());
+}
+
+at::Tensor kq_linear_named(const at::Tensor& x, const at::Tensor& tiles, int64_t type, int64_t n,
+                           c10::string_view isa) {
+    return kq_linear_on(x, tiles, type, n, named(isa));
+}
+
 std::tuple<at::Tensor, at::Tensor> q8_head(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale) {
     return head_on(x, tiles, scale, chosen());
 }
@@ -362,6 +434,8 @@ std::vector<std::string> q4_isas() {
 TORCH_LIBRARY(specchat, m) {
     m.def("q4_linear(Tensor x, Tensor tiles, int n) -> Tensor");
     m.def("q4_linear_on(Tensor x, Tensor tiles, int n, str isa) -> Tensor");
+    m.def("kq_linear(Tensor x, Tensor tiles, int type, int n) -> Tensor");
+    m.def("kq_linear_on(Tensor x, Tensor tiles, int type, int n, str isa) -> Tensor");
     m.def("q8_head(Tensor x, Tensor tiles, Tensor scale) -> (Tensor, Tensor)");
     m.def("q8_head_on(Tensor x, Tensor tiles, Tensor scale, str isa) -> (Tensor, Tensor)");
     m.def("head_choose(Tensor x, Tensor tiles, Tensor scale, Tensor norms, Tensor weight, float gamma, "
@@ -375,6 +449,8 @@ TORCH_LIBRARY(specchat, m) {
 TORCH_LIBRARY_IMPL(specchat, CPU, m) {
     m.impl("q4_linear", q4_linear);
     m.impl("q4_linear_on", q4_linear_on);
+    m.impl("kq_linear", kq_linear);
+    m.impl("kq_linear_on", kq_linear_named);
     m.impl("q8_head", q8_head);
     m.impl("q8_head_on", q8_head_on);
     m.impl("attend_rows", attend_rows);

@@ -4,25 +4,6 @@
 
 #include "q4.h"
 
-// IEEE float16 -> float32, exact (as F16C's vcvtph2ps)
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0x1F) {
-        bits = sign | 0x7F800000u | (man << 13);  // inf, nan
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else {  // subnormal: normalize
-        exp = 113;
-        while (!(man & 0x400)) { man <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
 static int weight(const q4_tile& t, int c, int k) {  // q_w[c][k], k = 0..31 (see q4_tile)
     uint8_t byte = t.nibbles[64 * ((k / 4) % 4) + 4 * c + k % 4];
     return k < 16 ? byte & 0x0F : byte >> 4;

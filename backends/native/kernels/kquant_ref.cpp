@@ -1,0 +1,84 @@
+// The reference: scalar C++ that defines kquant.h's arithmetic; every ISA file must give its bits.
+#include <cmath>
+
+#include "kquant.h"
+
+namespace {
+
+// A nibble of block j's q4_tile-ordered bytes: weight k (0..31) of column c.
+int nibble(const uint8_t* nibbles, int c, int k) {
+    uint8_t byte = nibbles[64 * ((k / 4) % 4) + 4 * c + k % 4];
+    return k < 16 ? byte & 0x0F : byte >> 4;
+}
+
+// Each type's view of block b of a column block: its unsigned weight u(c, k), its zero point, its
+// float32 scale of half h and its offset (kquant.h).
+struct Q8_0 {
+    static constexpr int halves = 1, zero = 128;
+    static constexpr bool has_min = false;
+    const q8_0_tile& t;
+    Q8_0(const uint8_t* tiles, int b) : t(reinterpret_cast<const q8_0_tile*>(tiles)[b]) {}
+    int u(int c, int k) const { return t.u[64 * (k / 4) + 4 * c + k % 4]; }
+    float scale(int c, int) const { return half_to_float(t.d[c]); }
+    float offset(int) const { return 0.0f; }
+};
+
+struct Q4_K {
+    static constexpr int halves = 1, zero = 0;
+    static constexpr bool has_min = true;
+    const q4_k_tile& t;
+    int j;
+    Q4_K(const uint8_t* tiles, int b, long stride = sizeof(q4_k_tile))
+        : t(*reinterpret_cast<const q4_k_tile*>(tiles + (b / KQ_BLOCKS) * stride)), j(b % KQ_BLOCKS) {}
+    int u(int c, int k) const { return nibble(t.nibbles[j], c, k); }
+    float scale(int c, int) const { return half_to_float(t.d[c]) * (float)t.sc[j][c]; }
+    float offset(int c) const { return -(half_to_float(t.dmin[c]) * (float)t.m[j][c]); }
+};
+
+struct Q5_K : Q4_K {
+    const uint8_t* high;
+    Q5_K(const uint8_t* tiles, int b)
+        : Q4_K(tiles, b, sizeof(q5_k_tile)),
+          high(reinterpret_cast<const q5_k_tile*>(tiles)[b / KQ_BLOCKS].high[b % KQ_BLOCKS]) {}
+    int u(int c, int k) const { return Q4_K::u(c, k) | ((high[4 * c + k % 4] >> (k / 4)) & 1) << 4; }
+};
+
+struct Q6_K {
+    static constexpr int halves = 2, zero = 32;
+    static constexpr bool has_min = false;
+    const q6_k_tile& t;
+    int j;
+    Q6_K(const uint8_t* tiles, int b)
+        : t(reinterpret_cast<const q6_k_tile*>(tiles)[b / KQ_BLOCKS]), j(b % KQ_BLOCKS) {}
+    int u(int c, int k) const {
+        return nibble(t.nibbles[j], c, k) | ((t.high[j][k / 16][4 * c + k % 4] >> (2 * (k / 4 % 4))) & 3) << 4;
+    }
+    float scale(int c, int h) const { return half_to_float(t.d[c]) * (float)t.sc[2 * j + h][c]; }
+    float offset(int) const { return 0.0f; }
+};
+
+template <class T>
+void block_ref(const uint8_t* tiles, int kb, const q8_row* rows, int M, float* y, long ldy) {
+    constexpr int span = Q4_BLOCK / T::halves;  // inputs a scale covers within the block
+    for (int m = 0; m < M; m++) {
+        const q8_row& x = rows[m];
+        for (int c = 0; c < KQ_COLS; c++) {
+            float acc = 0.0f;
+            for (int b = 0; b < kb; b++) {
+                const T w(tiles, b);
+                for (int h = 0; h < T::halves; h++) {
+                    int32_t dot = 0;
+                    for (int k = h * span; k < (h + 1) * span; k++) dot += w.u(c, k) * x.q[b * Q4_BLOCK + k];
+                    dot -= T::zero * (T::halves == 1 ? x.sum[b] : x.sum16[2 * b + h]);
+                    acc = std::fmaf((float)dot, w.scale(c, h) * x.d[b], acc);
+                }
+                if (T::has_min) acc = std::fmaf(w.offset(c), x.s[b], acc);
+            }
+            y[m * ldy + c] = acc;
+        }
+    }
+}
+
+}  // namespace
+
+const kq_kernels kq_ref = {block_ref<Q8_0>, block_ref<Q4_K>, block_ref<Q5_K>, block_ref<Q6_K>};

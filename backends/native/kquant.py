@@ -1,0 +1,169 @@
+"""GGUF's Q8_0 and K-quant matrices (Q4_K, Q5_K, Q6_K) kept in their own blocks, and repacked once
+into the tiles of specchat's kernel (kernels/kquant.h), as ggml's CPU "repack" buffers do: the
+engine holds about the file's bytes (4.625 bits a weight for Q4_K's 4.5, Q5_K 5.625 for 5.5, Q6_K
+and Q8_0 exactly the file's), never a float copy, and every row of a verify block has its one-row
+bits (tests/native/test_kquant_kernel.py).
+
+The block layouts are ggml's (ggml-common.h; ../shared/reference/gguf-kquants-trees-dspark.md §1);
+each decoder below returns the blocks' integers and factors, from which `dequantize` rebuilds the
+weights exactly as gguf's own `dequantize` does (tested), and `pack` the tiles.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# GGUF type id (ggml.h's ggml_type) and the bytes and weights of one block in the file
+TYPES = {"Q8_0": (8, 34, 32), "Q4_K": (12, 144, 256), "Q5_K": (13, 176, 256), "Q6_K": (14, 210, 256)}
+# tile bytes per 16 columns x 32 inputs (kquant.h's structs, a super-block's share for K-quants)
+TILE_BYTES = {"Q8_0": 544, "Q4_K": 2368 // 8, "Q5_K": 2880 // 8, "Q6_K": 3360 // 8}
+COLS = 16
+
+
+@dataclass
+class QuantRows:
+    """A matrix [rows, cols] as the file's blocks: `raw`, uint8 [rows, bytes a row]."""
+
+    type: str  # a key of TYPES
+    raw: Tensor
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        return self.raw.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def take(self, index: Tensor) -> "QuantRows":
+        """These rows, in this order (llama.cpp's Q/K row permutation undone: gguf_loader.py)."""
+        return QuantRows(self.type, self.raw[index], self.cols)
+
+    def dequantize(self) -> Tensor:
+        """float32 [rows, cols], from the blocks' integers and factors (bit for bit gguf's dequantize)."""
+        return dequantize(self)
+
+    @staticmethod
+    def cat(parts: list["QuantRows"]) -> "QuantRows":
+        return QuantRows(parts[0].type, torch.cat([p.raw for p in parts]), parts[0].cols)
+
+    @staticmethod
+    def from_blocks(type_name: str, data, rows: int, cols: int) -> "QuantRows":
+        """A tensor's bytes as gguf's reader gives them (a numpy view of the file) -> QuantRows."""
+        import numpy as np
+
+        return QuantRows(type_name, torch.from_numpy(np.array(data, dtype=np.uint8)).view(rows, -1), cols)
+
+
+def fits(m: QuantRows) -> bool:
+    """Whether the kernel takes this shape: 16 output columns a tile, whole super-blocks along K."""
+    return m.rows % COLS == 0 and m.cols % TYPES[m.type][2] == 0
+
+
+def _half(b: Tensor) -> Tensor:
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _blocks(m: QuantRows) -> Tensor:
+    _, size, n = TYPES[m.type]
+    return m.raw.view(m.rows, m.cols // n, size)
+
+
+def _scale_min_k4(s: Tensor) -> tuple[Tensor, Tensor]:
+    """The 8 six-bit scales and mins of a Q4_K / Q5_K super-block from its 12 bytes [..., 12]
+    (ggml's get_scale_min_k4) -> two uint8 [..., 8]."""
+    lo = (s[..., 0:4] & 63, s[..., 4:8] & 63)
+    hi = ((s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4), (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4))
+    return torch.cat([lo[0], hi[0]], -1), torch.cat([lo[1], hi[1]], -1)
+
+
+def decode(m: QuantRows) -> dict[str, Tensor]:
+    """The blocks' parts, per row: `u` uint8 [rows, cols] (the unsigned integers the kernel
+    multiplies), `d` float32 [rows, blocks], and per type `sc` / `m` (6-bit, per 32), `dmin`
+    (Q4_K, Q5_K) or `sc` int8 per 16 (Q6_K); Q8_0's u is q + 128 and Q6_K's is q + 32."""
+    b, N = _blocks(m), m.rows
+    if m.type == "Q8_0":
+        return {"u": (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8).reshape(N, -1),
+                "d": _half(b[..., 0:2])}
+    if m.type in ("Q4_K", "Q5_K"):
+        sc, mn = _scale_min_k4(b[..., 4:16])
+        qs = b[..., -128:].reshape(N, -1, 4, 32)  # chunk c: low nibbles block 2c, high ones 2c + 1
+        u = torch.stack([qs & 15, qs >> 4], dim=3).reshape(N, -1, 256)
+        if m.type == "Q5_K":  # bit j of qh[l]: the fifth bit of weight l of block j
+            qh = b[..., 16:48]
+            u = u | (((qh[:, :, None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1) << 4).reshape(N, -1, 256)
+        return {"u": u.reshape(N, -1), "d": _half(b[..., 0:2]), "dmin": _half(b[..., 2:4]),
+                "sc": sc.reshape(N, -1), "m": mn.reshape(N, -1)}
+    # Q6_K: each 128-half, quarter q, weight l: ql[64 n + 32 (q % 2) + l] nibble q // 2, qh[32 n + l] bits 2q
+    ql = b[..., 0:128].reshape(N, -1, 2, 1, 2, 32)
+    low = torch.cat([ql & 15, ql >> 4], dim=3).reshape(N, -1, 2, 4, 32)
+    qh = b[..., 128:192].reshape(N, -1, 2, 1, 32)
+    high = (qh >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3
+    return {"u": (low | (high << 4)).reshape(N, -1), "d": _half(b[..., 208:210]),
+            "sc": b[..., 192:208].contiguous().view(torch.int8).reshape(N, -1)}
+
+
+def dequantize(m: QuantRows) -> Tensor:
+    p, N = decode(m), m.rows
+
+    def per(t: Tensor, span: int) -> Tensor:  # [N, groups] -> [N, cols]
+        return t.float().repeat_interleave(span, dim=1)
+
+    if m.type == "Q8_0":
+        return (p["u"].float() - 128) * per(p["d"], 32)
+    if m.type == "Q6_K":
+        return per(p["d"], 256) * (per(p["sc"], 16) * (p["u"].float() - 32))
+    d, dmin = per(p["d"], 256), per(p["dmin"], 256)
+    return (d * per(p["sc"], 32)) * p["u"].float() - dmin * per(p["m"], 32)
+
+
+def _operands(u: Tensor, N: int, K: int) -> Tensor:
+    """[N, K] -> [N / 16, K / 32, 8, 16, 4]: per tile, 8 VNNI operands of 4 consecutive k of 16 columns."""
+    return u.view(N // COLS, COLS, K // 32, 8, 4).permute(0, 2, 3, 1, 4)
+
+
+def _nibbles(u: Tensor, N: int, K: int) -> Tensor:
+    """The low 4 bits in q4_tile's order (q4.h) -> [N / 16, K / 32, 256]."""
+    v = (u & 15).view(N // COLS, COLS, K // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [nb, kb, h, g, c, t]
+    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(N // COLS, K // 32, 256)
+
+
+def _columns(t: Tensor, N: int) -> Tensor:
+    """A per-row factor [N, groups] -> [N / 16, groups, 16]: the 16 columns of a tile side by side."""
+    return t.view(N // COLS, COLS, -1).transpose(1, 2)
+
+
+def _bytes(t: Tensor) -> Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def pack(m: QuantRows) -> Tensor:
+    """The kernel's tiles, uint8 [rows / 16, bytes a column block] (kernels/kquant.h)."""
+    N, K = m.shape
+    p, nb, kb, ns = decode(m), N // COLS, K // 32, K // 256
+    if m.type == "Q8_0":
+        u = _operands(p["u"], N, K).reshape(nb, kb, 512)
+        d = _bytes(_columns(p["d"], N).to(torch.float16)).view(nb, kb, 32)
+        return torch.cat([u, d], -1).reshape(nb, -1)
+    nibbles = _nibbles(p["u"], N, K).view(nb, ns, 8 * 256)
+    d = _bytes(_columns(p["d"], N).to(torch.float16)).view(nb, ns, 32)
+    if m.type == "Q6_K":  # bits 4..5 of operand i at bits 2 (i % 4) of half i // 4's byte
+        bits = (_operands(p["u"], N, K) >> 4).reshape(nb, kb, 2, 4, COLS, 4).to(torch.int32)
+        shifts = (2 * torch.arange(4, dtype=torch.int32)).view(4, 1, 1)
+        high = (bits << shifts).sum(3).to(torch.uint8).reshape(nb, ns, 8 * 2 * 64)
+        sc = _bytes(_columns(p["sc"], N)).view(nb, ns, 16 * COLS)
+        return torch.cat([nibbles, high, sc, d], -1).reshape(nb, -1)
+    parts = [nibbles, _columns(p["sc"], N).reshape(nb, ns, 8 * COLS), _columns(p["m"], N).reshape(nb, ns, 8 * COLS), d,
+             _bytes(_columns(p["dmin"], N).to(torch.float16)).view(nb, ns, 32)]
+    if m.type == "Q5_K":  # bit 4 of operand i at bit i of its byte
+        bits = (_operands(p["u"], N, K) >> 4).to(torch.int32)
+        high = (bits << torch.arange(8, dtype=torch.int32).view(8, 1, 1)).sum(2).to(torch.uint8)
+        parts.append(high.reshape(nb, ns, 8 * 64))
+    return torch.cat(parts, -1).reshape(nb, -1)
+
+
+def type_id(name: str) -> int:
+    return TYPES[name][0]
