@@ -26,6 +26,7 @@ from .graph_store import GraphStore, Variant
 from .model import Transformer
 from .tokenizer import ChatTokenizer
 from .int4 import Int4Rows
+from .kquant import QuantRows
 from .recurrent_state import ROLLBACK_MODES
 from .weights import Checkpoint, build_model, load_hf_dir
 
@@ -52,7 +53,8 @@ def load_checkpoint(path: Path, kind: str, keep_int4: bool, cache_dir: Path | No
 
 
 def has_int4(ck: Checkpoint) -> bool:
-    return any(isinstance(m, Int4Rows) for layer in ck.layers for m in layer.values())
+    """Whether the checkpoint holds quantized blocks for specchat's kernels (4-bit, Q8_0, K-quants)."""
+    return any(isinstance(m, (Int4Rows, QuantRows)) for layer in ck.layers for m in layer.values())
 
 
 def choose_precision(requested: str, device: torch.device, ck: Checkpoint) -> str:

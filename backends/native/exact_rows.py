@@ -203,7 +203,7 @@ def matmuls_keep_row_bits(linears: tuple, dtype: torch.dtype) -> bool:
     kernel does by construction, and is not probed. A few small multiplies."""
     g = torch.Generator().manual_seed(0)
     for lin in linears:
-        if lin.q4 is not None:
+        if lin.own_kernel:
             continue
         x = torch.randn(8, lin.in_features, generator=g).to(dtype)
         alone = torch.cat([lin(x[i:i + 1], exact=True) for i in range(8)])
@@ -303,7 +303,7 @@ class CompiledRowGraphs:
         m = self.model
         tensors = [m.embed, m.rope_cos, m.rope_sin, *m.cache.k, *m.cache.v, *m.parameters()]
         for lin in (x for x in m.layers.modules() if isinstance(x, Linear)):
-            tensors += [lin.dense, lin.q4, *(lin.int4 or ())[:2]]
+            tensors += [lin.dense, lin.q4, *(lin.int4 or ())[:2], *(lin.kq or ())]
         for t in tensors:
             while isinstance(t, Tensor):  # and what it is a view of: dynamo traces views from their base
                 torch._dynamo.mark_static(t)

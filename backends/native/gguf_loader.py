@@ -24,6 +24,7 @@ import torch
 from ..base import BackendError
 from .config import ModelConfig
 from .int4 import Int4Rows
+from .kquant import TYPES as KQUANT_TYPES, QuantRows
 from .weights import Checkpoint, progress, refuse_unknown
 from ..derived_files import derived_path
 from ..weight_files import BrokenWeightFile, gguf_reader
@@ -218,12 +219,17 @@ def load_gguf(path: Path, keep_int4: bool = False, cache_dir: Path | None = None
         t = tensors[name]
         if matrix and keep_int4 and t.tensor_type.name in int4_types:
             return _int4_rows(t)
+        if matrix and keep_int4 and t.tensor_type.name in KQUANT_TYPES and len(t.shape) == 2:
+            return QuantRows.from_blocks(t.tensor_type.name, t.data, int(t.shape[1]), int(t.shape[0]))
         return _dense(t)
 
     def permute(m, n_head: int):
-        idx = _unpermute_rows(m.q.shape[0] if isinstance(m, Int4Rows) else m.shape[0], n_head)
+        idx = _unpermute_rows(m.q.shape[0] if isinstance(m, Int4Rows) else m.rows if isinstance(m, QuantRows)
+                              else m.shape[0], n_head)
         if isinstance(m, Int4Rows):
             return Int4Rows(m.q[idx], m.scale[idx], m.zero[idx])
+        if isinstance(m, QuantRows):
+            return m.take(idx)
         return m[idx]
 
     layers = []

@@ -167,3 +167,42 @@ def pack(m: QuantRows) -> Tensor:
 
 def type_id(name: str) -> int:
     return TYPES[name][0]
+
+
+# kq_layout's kind for a segment of q4.h tiles (GGUF Q4_0 and Q4_1 alike, as Int4Rows): Q4_1's type id
+Q4_TILES = 3
+
+
+def kquant_linear(parts: list, bias: Tensor | None = None):
+    """A Linear over `parts` (QuantRows and Int4Rows, stacked by rows, all of one input width) on
+    specchat's kernels: neighbouring parts of one type run as one segment. None where a part's
+    shape does not fit the tiles or the kernels cannot be built here (the caller then runs floats)."""
+    from . import q4_kernel
+    from .int4 import Int4Rows
+    from .linear import Linear
+
+    if not q4_kernel.available():
+        return None
+    groups: list[list] = []
+    for p in parts:
+        kind = Q4_TILES if isinstance(p, Int4Rows) else type_id(p.type)
+        if groups and groups[-1][0] == kind:
+            groups[-1][1].append(p)
+        else:
+            groups.append([kind, [p]])
+    tiles, layout = [], []
+    for kind, members in groups:
+        if kind == Q4_TILES:
+            w = Int4Rows.cat(members) if len(members) > 1 else members[0]
+            if not q4_kernel.fits(w):
+                return None
+            tiles.append(q4_kernel.pack(w).reshape(w.q.shape[0] // COLS, -1))
+            layout.append((kind, w.q.shape[0]))
+        else:
+            m = QuantRows.cat(members) if len(members) > 1 else members[0]
+            if not fits(m):
+                return None
+            tiles.append(pack(m))
+            layout.append((kind, m.rows))
+    width = parts[0].q.shape[1] if isinstance(parts[0], Int4Rows) else parts[0].cols
+    return Linear(None, bias, kq=tuple(tiles), kq_layout=tuple(layout), kq_in=width)

@@ -29,10 +29,15 @@ class Linear(nn.Module):
     (prefill, non-strict verify). `pairwise`: float32 on CPU, computed as GEMMs of two rows."""
 
     def __init__(self, weight: Tensor | None, bias: Tensor | None = None, int4: tuple | None = None,
-                 pairwise: bool = False, dense: Tensor | None = None, q4: Tensor | None = None, out: int = 0):
+                 pairwise: bool = False, dense: Tensor | None = None, q4: Tensor | None = None, out: int = 0,
+                 kq: tuple[Tensor, ...] | None = None, kq_layout: tuple[tuple[int, int], ...] = (), kq_in: int = 0):
         """q4: the tiles of specchat's 4-bit kernel (q4_kernel.pack) for `out` output columns,
-        instead of `int4`; every row then has the same bits however many rows come."""
+        instead of `int4`; every row then has the same bits however many rows come.
+        kq: the output columns in segments of GGUF weight types, each segment's tiles on specchat's
+        kernels (kquant.py), `kq_layout` their (GGUF type id, columns), `kq_in` the inputs: a fused
+        q|k|v whose matrices a file stores in different types (Q4_K_M's Q6_K values) is one Linear."""
         super().__init__()
+        self.kq, self.kq_layout, self.kq_in = kq, kq_layout, kq_in
         self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.int4 = int4
@@ -44,6 +49,8 @@ class Linear(nn.Module):
     def in_features(self) -> int:
         if self.weight is not None:
             return self.weight.shape[1]
+        if self.kq is not None:
+            return self.kq_in
         if self.q4 is not None:  # tiles [N / 16, K / 32, 320]
             return self.q4.shape[1] * 32
         if self.dense is not None:
@@ -52,8 +59,13 @@ class Linear(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        """Whether W is 4-bit (on either kernel)."""
-        return self.int4 is not None or self.q4 is not None
+        """Whether W is quantized (4-bit on either kernel, or a GGUF type on specchat's kernels)."""
+        return self.int4 is not None or self.q4 is not None or self.kq is not None
+
+    @property
+    def own_kernel(self) -> bool:
+        """Whether W runs on specchat's kernels, whose rows keep their bits by construction."""
+        return self.q4 is not None or self.kq is not None
 
     @property
     def dense_dtype(self) -> torch.dtype | None:
@@ -64,7 +76,9 @@ class Linear(nn.Module):
         """exact: each row as a single-token pass computes it (never the dense copy)."""
         if self.pairwise:
             return self._pairs(x)
-        if self.quantized and (exact or self.dense is None or x.shape[0] < DENSE_MIN_ROWS):
+        if self.kq is not None:
+            y = self._segments(x)
+        elif self.quantized and (exact or self.dense is None or x.shape[0] < DENSE_MIN_ROWS):
             if self.q4 is not None:
                 y = torch.ops.specchat.q4_linear(x, self.q4, self.out)
             else:
@@ -75,6 +89,13 @@ class Linear(nn.Module):
         else:  # `.to` is a no-op where the copy is multiplied as it is
             y = F.linear(x.to(self.dense_dtype), self.dense.to(self.dense_dtype)).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def _segments(self, x: Tensor) -> Tensor:
+        from .kquant import Q4_TILES
+
+        ys = [torch.ops.specchat.q4_linear(x, tiles, n) if kind == Q4_TILES
+              else torch.ops.specchat.kq_linear(x, tiles, kind, n) for tiles, (kind, n) in zip(self.kq, self.kq_layout)]
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
 
     def _pairs(self, x: Tensor) -> Tensor:
         """MKL's one-row GEMV and its GEMM round differently, and GEMM's blocking depends on the

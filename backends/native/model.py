@@ -226,7 +226,7 @@ class Transformer(nn.Module):
             return "none"
         from .q4_kernel import isa
 
-        return f"specchat-{isa()}" if lin.q4 is not None else "torch"
+        return f"specchat-{isa()}" if lin.own_kernel else "torch"
 
     @property
     def runs_int4(self) -> bool:

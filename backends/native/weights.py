@@ -10,6 +10,7 @@ DFlash drafters and the trainers' exports use it too.
 """
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from contextlib import contextmanager, nullcontext
@@ -25,11 +26,14 @@ from . import argmax_head
 from .config import COMPLETE, ModelConfig, MoeShape, read_hf_config
 from .gated_delta import recurrent_layer
 from .int4 import Int4Rows, Matrix, int4_linear, quantize_layer
+from .kquant import QuantRows, kquant_linear
 from .layers import DecoderLayer, decoder_layer
 from .linear import Linear
 from .memory_plan import DENSE_COPY_MAX_BYTES, return_freed_memory
 from .model import Transformer
 from .moe_weights import MOE_MARKERS, TensorReader, build_moe, is_expert_tensor, moe_layer_names, read_moe_layer
+
+log = logging.getLogger(__name__)
 
 LAYER_KEYS = ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm")
 OPTIONAL_KEYS = ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
@@ -263,13 +267,19 @@ def _linear(parts: list[Matrix], biases: list[Tensor | None], dtype: torch.dtype
         bias = bias.to(device, dtype)
     if int4 and all(isinstance(p, Int4Rows) for p in parts):
         return int4_linear(Int4Rows.cat(parts) if len(parts) > 1 else parts[0], bias, dense_copy)
-    mats = [p.dequantize() if isinstance(p, Int4Rows) else p for p in parts]
+    if int4 and all(isinstance(p, (Int4Rows, QuantRows)) for p in parts):
+        own = kquant_linear(parts, bias)  # GGUF's Q8_0 / K-quant blocks, a type a segment
+        if own is not None:
+            return own
+        log.warning("a %s matrix does not fit specchat's kernels here; it runs as floats",
+                    "/".join(sorted({p.type for p in parts if isinstance(p, QuantRows)})))
+    mats = [p.dequantize() if isinstance(p, (Int4Rows, QuantRows)) else p for p in parts]
     dense = mats[0] if len(mats) == 1 else torch.cat(mats)  # a tied float32 head shares the embedding
     return Linear(dense.to(device, dtype).contiguous(), bias)
 
 
 def _rows(m: Matrix) -> int:
-    return m.q.shape[0] if isinstance(m, Int4Rows) else m.shape[0]
+    return m.q.shape[0] if isinstance(m, Int4Rows) else m.rows if isinstance(m, QuantRows) else m.shape[0]
 
 
 def drafting_head(model: Transformer) -> Linear:
@@ -365,7 +375,7 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
     if device.type == "cpu" and dtype != torch.float32:
         # Logits stay float32 on CPU: bfloat16 logits (resolution 0.125 at 25) turn near-ties
         # into exact ties. A tied head shares the float32 embedding, so this costs no memory.
-        dense = head_weight.dequantize() if isinstance(head_weight, Int4Rows) else head_weight.float()
+        dense = head_weight.dequantize() if isinstance(head_weight, (Int4Rows, QuantRows)) else head_weight.float()
         head = Linear(dense.to(device).contiguous(), pairwise=True)
     else:
         head = _linear([head_weight], [None], dtype, int4, device)

@@ -1,0 +1,46 @@
+"""Whether the native engine runs a GGUF file as it is: its architecture and every tensor's type.
+
+A file it does not run goes to llama.cpp in-process, target-only, with this reason said to the
+user (specchat/model_flag.py): never a float32 copy of weights the engine has no kernel for, which
+would be several times the file's size and far slower than llama.cpp on its own blocks.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from .gguf_loader import SUPPORTED_ARCHS, read_index
+
+# The GGUF tensor types the native engine runs as they are stored: the float types, and the
+# quantized blocks its CPU kernels run (Q4_0 and Q4_1; Q8_0, Q4_K, Q5_K and Q6_K with the kernels
+# being added beside them, whose loader imports this list). Any other type (IQ*, Q2_K, Q3_K, TQ*,
+# Q5_0, ...) would be dequantized to float32 at load: such a file runs on llama.cpp instead.
+NATIVE_MATRIX_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+__all__ = ["NATIVE_MATRIX_TYPES", "native_refusal"]
+
+
+def native_refusal(path: Path | str, cache_dir: Optional[Path] = None) -> Optional[str]:
+    """None when the native engine runs the model at `path` as it is stored, else why not, in a
+    few words ("architecture 'gemma3' is not one the native engine runs (llama, qwen2, qwen3)").
+
+    A GGUF is judged from its tensor index (gguf_loader.read_index: the file's header checked
+    against its size first, so a broken file raises BrokenWeightFile; kept under `cache_dir` when
+    given, so a second start reads no more than a small JSON file). A checkpoint directory is
+    None: its loader checks it as it loads."""
+    path = Path(path)
+    if path.is_dir():
+        return None
+    index = read_index(path, cache_dir)
+    arch = index.field("general.architecture")
+    if not arch:
+        return "the file names no architecture (general.architecture)"
+    if arch not in SUPPORTED_ARCHS:
+        return f"architecture '{arch}' is not one the native engine runs ({', '.join(SUPPORTED_ARCHS)})"
+    other = [(name, t.tensor_type.name) for name, t in index.tensors.items()
+             if t.tensor_type.name not in NATIVE_MATRIX_TYPES]
+    if not other:
+        return None
+    name, kind = other[0]
+    more = f" (as are {len(other) - 1} more tensors)" if len(other) > 1 else ""
+    return f"{name} is {kind}, a weight type the native engine does not run{more}"
