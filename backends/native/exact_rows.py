@@ -301,7 +301,7 @@ class CompiledRowGraphs:
         from .linear import Linear
 
         m = self.model
-        tensors = [m.embed, m.rope_cos, m.rope_sin, *m.cache.k, *m.cache.v, *m.parameters()]
+        tensors = [getattr(m.embed, "tiles", m.embed), m.rope_cos, m.rope_sin, *m.cache.k, *m.cache.v, *m.parameters()]
         for lin in (x for x in m.layers.modules() if isinstance(x, Linear)):
             tensors += [lin.dense, lin.q4, *(lin.int4 or ())[:2], *(lin.kq or ())]
         for t in tensors:

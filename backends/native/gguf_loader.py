@@ -215,9 +215,9 @@ def load_gguf(path: Path, keep_int4: bool = False, cache_dir: Path | None = None
     tensors = index.tensors
     int4_types = ("Q4_0", "Q4_1")
 
-    def load(name: str, matrix: bool = False):
+    def load(name: str, matrix: bool = False, embedding: bool = False):
         t = tensors[name]
-        if matrix and keep_int4 and t.tensor_type.name in int4_types:
+        if matrix and keep_int4 and t.tensor_type.name in int4_types and not embedding:
             return _int4_rows(t)
         if matrix and keep_int4 and t.tensor_type.name in KQUANT_TYPES and len(t.shape) == 2:
             return QuantRows.from_blocks(t.tensor_type.name, t.data, int(t.shape[1]), int(t.shape[0]))
@@ -234,7 +234,8 @@ def load_gguf(path: Path, keep_int4: bool = False, cache_dir: Path | None = None
 
     layers = []
     with progress(f"loading {path.name}", cfg.n_layers + 1) as advance:
-        embed = load("token_embd.weight")
+        # Q8_0 / K-quant blocks kept, where the head may share them (weights.py); Q4 rows as floats
+        embed = load("token_embd.weight", matrix=True, embedding=True)
         advance()
         for i in range(cfg.n_layers):
             layer = {}

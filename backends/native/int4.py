@@ -23,6 +23,10 @@ class Int4Rows:
     scale: Tensor  # float32 [out, in / 32]
     zero: Tensor  # float32 [out, in / 32]
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
     def dequantize(self) -> Tensor:
         def expand(t: Tensor) -> Tensor:
             return t.repeat_interleave(INT4_GROUP, dim=1)

@@ -206,3 +206,40 @@ def kquant_linear(parts: list, bias: Tensor | None = None):
             layout.append((kind, m.rows))
     width = parts[0].q.shape[1] if isinstance(parts[0], Int4Rows) else parts[0].cols
     return Linear(None, bias, kq=tuple(tiles), kq_layout=tuple(layout), kq_in=width)
+
+
+class TileEmbedding:
+    """An embedding looked up in the kernel's tiles of the same matrix (the head's, where the
+    model ties them): each row as the file's blocks define it, so a big vocabulary is held once,
+    in the file's type, instead of as float32 (4 bytes a weight). Indexed as a tensor is."""
+
+    def __init__(self, tiles: Tensor, kind: int, vocab: int, dim: int):
+        self.tiles, self.kind, self.vocab, self.dim = tiles, kind, vocab, dim
+
+    def __getitem__(self, ids: Tensor) -> Tensor:
+        rows = torch.ops.specchat.kq_rows(self.tiles, self.kind, self.dim, ids.reshape(-1))
+        return rows.view(*ids.shape, self.dim)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.vocab, self.dim))
+
+    @property
+    def device(self) -> torch.device:
+        return self.tiles.device
+
+    dtype = torch.float32
+
+    def float(self) -> Tensor:
+        """The whole table as float32 (a drafter's trainer, a tied float head): a copy, on request."""
+        return self[torch.arange(self.vocab)]
+
+
+def on_tiles(m, bias: Tensor | None = None):
+    """A single quantized matrix (QuantRows or Int4Rows) as a Linear on the kernels and its rows as a
+    TileEmbedding over the same tiles; None where it does not fit them."""
+    lin = kquant_linear([m], bias)
+    if lin is None:
+        return None
+    (kind, rows), = lin.kq_layout
+    return lin, TileEmbedding(lin.kq[0], kind, rows, lin.kq_in)

@@ -133,7 +133,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.dtype, self.rollback = cfg, dtype, rollback
         self.rollback_span = 0  # see hold_positions
-        self.embed = nn.Parameter(embed, requires_grad=False)  # [vocab, dim]; rows are looked up
+        # [vocab, dim]; rows are looked up (a TileEmbedding reads them from the kernels' tiles: kquant.py)
+        self.embed = embed if not isinstance(embed, Tensor) else nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(norm, cfg.norm_eps)
         self.device = embed.device
@@ -216,7 +217,9 @@ class Transformer(nn.Module):
     @property
     def head_dtype(self) -> torch.dtype:
         # a property, not an attribute: see graph_store.py on what a module may hold
-        return torch.float32 if self.head.pairwise else (torch.bfloat16 if self.head.quantized else self.dtype)
+        if self.head.pairwise or self.head.kq is not None:  # float32 logits: no near-ties made exact ties
+            return torch.float32
+        return torch.bfloat16 if self.head.quantized else self.dtype
 
     @property
     def kernel(self) -> str:

@@ -101,6 +101,10 @@ def _register_fake() -> None:
     def _(x: Tensor, tiles: Tensor, type: int, n: int) -> Tensor:
         return x.new_empty(*x.shape[:-1], n)
 
+    @torch.library.register_fake("specchat::kq_rows")
+    def _(tiles: Tensor, type: int, K: int, ids: Tensor) -> Tensor:
+        return tiles.new_empty(ids.numel(), K, dtype=torch.float32)
+
     @torch.library.register_fake("specchat::attend_rows")
     def _(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         return q.new_empty(1, *q.shape)

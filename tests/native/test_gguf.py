@@ -10,6 +10,7 @@ from specchat.backends.hf_reference import load_hf_model
 from specchat.backends.llamaserver.to_gguf import permute_rows
 from specchat.backends.native.engine import TorchBackend
 from specchat.backends.native.gguf_loader import _unpermute_rows, load_gguf
+from specchat.backends.native.kquant import QuantRows
 from specchat.backends.native.int4 import Int4Rows
 from specchat.backends.native.weights import load_hf_dir
 
@@ -115,6 +116,8 @@ def _same_checkpoint(a, b) -> bool:
     def same(x, y):
         if isinstance(x, Int4Rows):
             return all(torch.equal(getattr(x, f), getattr(y, f)) for f in ("q", "scale", "zero"))
+        if isinstance(x, QuantRows):
+            return x.type == y.type and x.cols == y.cols and torch.equal(x.raw, y.raw)
         return torch.equal(x, y)
     return (a.cfg == b.cfg and same(a.embed, b.embed) and same(a.norm, b.norm)
             and all(la.keys() == lb.keys() and all(same(la[k], lb[k]) for k in la) for la, lb in zip(a.layers, b.layers)))

@@ -42,10 +42,10 @@ def make_tokenizer(out: Path):
     return fast
 
 
-def hf_config(layout: str, vocab: int):
+def hf_config(layout: str, vocab: int, hidden: int = 64, ffn: int = 128):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
     if layout == "llama":
@@ -101,19 +101,21 @@ def make_hybrid_checkpoint(out: Path, family: str = "qwen3_5", seed: int = 0, la
             elif "norm" in name:  # zero-centred: applied as 1 + w
                 p.copy_(0.2 * torch.randn_like(p))
             else:
-                p.copy_(torch.randn_like(p) * (0.3 if "embed" in name else 0.15))
+                # at the default width 0.15; wider layers scaled down to keep the activations' size
+                p.copy_(torch.randn_like(p) * (0.3 if "embed" in name else 0.15 * (64 / hidden) ** 0.5))
     model.save_pretrained(str(out))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     return out
 
 
-def make_hf_checkpoint(out: Path, layout: str, seed: int = 0) -> Path:
-    """A random model whose logits are far from uniform (weights scaled up), saved as safetensors."""
+def make_hf_checkpoint(out: Path, layout: str, seed: int = 0, hidden: int = 64, ffn: int = 128) -> Path:
+    """A random model whose logits are far from uniform (weights scaled up), saved as safetensors;
+    `hidden` and `ffn` of 256 and more (multiples of 256) let llama.cpp store K-quant blocks."""
     from transformers import AutoModelForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(out)
-    cfg = hf_config(layout, len(tok))
+    cfg = hf_config(layout, len(tok), hidden, ffn)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -121,7 +123,8 @@ def make_hf_checkpoint(out: Path, layout: str, seed: int = 0) -> Path:
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
-                p.copy_(torch.randn_like(p) * (0.3 if "embed" in name else 0.15))
+                # at the default width 0.15; wider layers scaled down to keep the activations' size
+                p.copy_(torch.randn_like(p) * (0.3 if "embed" in name else 0.15 * (64 / hidden) ** 0.5))
     model.save_pretrained(str(out))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     return out
@@ -278,3 +281,17 @@ def assert_reply_and_logits_match(e, ref, max_tokens: int, atol: float) -> None:
     got = [e.forward(ids[:len(prompt)], 0)[0]]
     got += [e.forward([t], len(prompt) + i)[0] for i, t in enumerate(reply.token_ids)]
     assert (torch.cat(got) - want).abs().max() < atol
+
+
+def quantize_with_llamacpp(src: Path, out: Path, ftype: str) -> Path:
+    """src (a GGUF) quantized by llama.cpp's own quantizer into `ftype` (Q4_K_M, Q6_K, Q8_0, ...)."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 2
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {ftype}")
+    return out

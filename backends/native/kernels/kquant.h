@@ -77,6 +77,10 @@ struct kq_kernels {
 };
 extern const kq_kernels kq_ref, kq_avx2, kq_avx512vnni;
 
+// Column c (0..15) of a column block's tiles as floats [kb * 32]: each weight as the file's blocks
+// define it (gguf's dequantize, bit for bit), for looking up embedding rows in the head's tiles.
+void kq_row_ref(const uint8_t* tiles, int type, int kb, int c, float* out);
+
 // Bytes of tiles per block of 32 inputs of a 16-column block (a super-block's share for K-quants).
 inline long kq_block_bytes(int type) {
     switch (type) {

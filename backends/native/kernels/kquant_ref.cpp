@@ -82,3 +82,28 @@ void block_ref(const uint8_t* tiles, int kb, const q8_row* rows, int M, float* y
 }  // namespace
 
 const kq_kernels kq_ref = {block_ref<Q8_0>, block_ref<Q4_K>, block_ref<Q5_K>, block_ref<Q6_K>};
+
+namespace {
+
+template <class T>
+void row_of(const uint8_t* tiles, int kb, int c, float* out) {
+    constexpr int span = Q4_BLOCK / T::halves;
+    for (int b = 0; b < kb; b++) {
+        const T w(tiles, b);
+        for (int k = 0; k < Q4_BLOCK; k++) {  // gguf's dequantize, bit for bit (kquant.py)
+            const float q = (float)(w.u(c, k) - T::zero);
+            out[b * Q4_BLOCK + k] = T::has_min ? w.scale(c, 0) * q + w.offset(c) : w.scale(c, k / span) * q;
+        }
+    }
+}
+
+}  // namespace
+
+void kq_row_ref(const uint8_t* tiles, int type, int kb, int c, float* out) {
+    switch (type) {
+        case KQ_Q8_0: return row_of<Q8_0>(tiles, kb, c, out);
+        case KQ_Q4_K: return row_of<Q4_K>(tiles, kb, c, out);
+        case KQ_Q5_K: return row_of<Q5_K>(tiles, kb, c, out);
+        case KQ_Q6_K: return row_of<Q6_K>(tiles, kb, c, out);
+    }
+}

@@ -66,6 +66,9 @@ void q4_block_ref(const q4_tile* tiles, int kb, const q8_row* rows, int M, float
 void q4_block_avx2(const q4_tile* tiles, int kb, const q8_row* rows, int M, float* y, long ldy);
 void q4_block_avx512vnni(const q4_tile* tiles, int kb, const q8_row* rows, int M, float* y, long ldy);
 
+// Column c (0..15) of a column block's tiles as floats d q + m [kb * 32] (an embedding row).
+void q4_row_ref(const q4_tile* tiles, int kb, int c, float* out);
+
 // Quantize x [K] (K % 32 == 0) into q [K], d, s, sum [K / 32] (q8_row's layout).
 typedef void (*q8_quantize_fn)(const float* x, int K, int8_t* q, float* d, float* s, int32_t* sum);
 

@@ -225,6 +225,29 @@ at::Tensor kq_linear_on(const at::Tensor& x_in, const at::Tensor& tiles, int64_t
     return y;
 }
 
+// Rows `ids` of W [n, K] from its tiles (q4.h's for type 3, kquant.h's for GGUF types 8, 12..14)
+// -> float32 [len(ids), K]: embedding rows looked up in the tiles the head multiplies with.
+at::Tensor kq_rows(const at::Tensor& tiles, int64_t type, int64_t K, const at::Tensor& ids_in) {
+    TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 2, "kq_rows: tiles");
+    const int64_t kb = K / Q4_BLOCK, per_block = tiles.size(1), n = tiles.size(0) * KQ_COLS;
+    const bool q4 = type == 3;
+    TORCH_CHECK(K % Q4_BLOCK == 0 && per_block == kb * (q4 ? (int64_t)sizeof(q4_tile) : kq_block_bytes((int)type)),
+                "kq_rows: tiles do not match K in this type");
+    const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+    at::Tensor y = at::empty({ids.numel(), K}, at::TensorOptions().dtype(at::kFloat));
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < ids.numel(); i++) {
+        TORCH_CHECK(id[i] >= 0 && id[i] < n, "kq_rows: id ", id[i], " out of range [0, ", n, ")");
+        const uint8_t* block = tiles.data_ptr<uint8_t>() + (id[i] / KQ_COLS) * per_block;
+        float* out = y.data_ptr<float>() + i * K;
+        if (q4)
+            q4_row_ref(reinterpret_cast<const q4_tile*>(block), (int)kb, (int)(id[i] % KQ_COLS), out);
+        else
+            kq_row_ref(block, (int)type, (int)kb, (int)(id[i] % KQ_COLS), out);
+    }
+    return y;
+}
+
 // x [M, K] float32 times the int8 tiles of the head [V, K] (scales [V]) -> float32 logits [M, V],
 // and for each row [||x8||, ||x - x8||] (x8: the row as quantized), rounded up: the terms of
 // argmax_head.py's bound that the activations' quantization adds.
@@ -436,6 +459,7 @@ TORCH_LIBRARY(specchat, m) {
     m.def("q4_linear_on(Tensor x, Tensor tiles, int n, str isa) -> Tensor");
     m.def("kq_linear(Tensor x, Tensor tiles, int type, int n) -> Tensor");
     m.def("kq_linear_on(Tensor x, Tensor tiles, int type, int n, str isa) -> Tensor");
+    m.def("kq_rows(Tensor tiles, int type, int K, Tensor ids) -> Tensor");
     m.def("q8_head(Tensor x, Tensor tiles, Tensor scale) -> (Tensor, Tensor)");
     m.def("q8_head_on(Tensor x, Tensor tiles, Tensor scale, str isa) -> (Tensor, Tensor)");
     m.def("head_choose(Tensor x, Tensor tiles, Tensor scale, Tensor norms, Tensor weight, float gamma, "
@@ -451,6 +475,7 @@ TORCH_LIBRARY_IMPL(specchat, CPU, m) {
     m.impl("q4_linear_on", q4_linear_on);
     m.impl("kq_linear", kq_linear);
     m.impl("kq_linear_on", kq_linear_named);
+    m.impl("kq_rows", kq_rows);
     m.impl("q8_head", q8_head);
     m.impl("q8_head_on", q8_head_on);
     m.impl("attend_rows", attend_rows);

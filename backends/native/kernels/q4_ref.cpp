@@ -85,3 +85,9 @@ long head_pick_ref(const float* A, const float* w0, const float* w1, float c0, f
         if (A[v] + (c0 * w0[v] + c1 * w1[v]) >= floor) ids[n++] = (int32_t)v;
     return n;
 }
+
+void q4_row_ref(const q4_tile* tiles, int kb, int c, float* out) {
+    for (int b = 0; b < kb; b++)
+        for (int k = 0; k < Q4_BLOCK; k++)  // d q + m (GGUF Q4_1; Q4_0's offset -8 d is exact)
+            out[b * Q4_BLOCK + k] = half_to_float(tiles[b].d[c]) * (float)weight(tiles[b], c, k) + half_to_float(tiles[b].m[c]);
+}
