@@ -2,13 +2,14 @@
 (read from the file headers, or a PyTorch pickle's file size; nothing loaded or unpickled), and a refusal before loading when that is more than
 the device has free: one line with the numbers instead of the OOM killer halfway through a load.
 
-The figure is the weights as the engine holds them, a floor: the torch engine keeps a Q4 GGUF's
-blocks for its int4 kernel and a bfloat16 copy for many-row passes (2.5 bytes a parameter with
-the blocks), float32 at 4, bfloat16 and float16 at 2; a checkpoint directory at int4 is counted
-tensor by tensor from its headers, by the rule the loader quantizes with (backends/native/
-memory_plan.py: 0.625 bytes a layer weight, a bfloat16 copy only where all of them stay small);
-llama.cpp maps the file as it is. KV cache, activations and the runtime come on top (the A/B
-view and `specchat verify --json` report the measured peak).
+The figure is the weights as the engine holds them plus the KV cache at the profile's context: a
+quantized GGUF is counted tensor by tensor and type by type as the loader keeps it (backends/
+native/memory_plan.py gguf_bytes: each block type's tiles, about the file's bytes; Q4 layers'
+bfloat16 copy while small; the head in the file's type past a size), float32 at 4, bfloat16 and
+float16 at 2; a checkpoint directory at int4 is counted tensor by tensor from its headers, by the
+rule the loader quantizes with (memory_plan.py: 0.625 bytes a layer weight, a bfloat16 copy only
+where all of them stay small); llama.cpp maps the file as it is. Activations and the runtime come
+on top (the A/B view and `specchat verify --json` report the measured peak).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from specchat.backends.base import BackendError
-from specchat.backends.native.memory_plan import int4_dir_bytes
+from specchat.backends.native.memory_plan import TILE_BYTES, gguf_bytes, int4_dir_bytes, kv_cache_bytes
 from specchat.backends.weight_files import check_gguf, safetensors_header
 from specchat.models import resolve_model
 from specchat.profiles import Profile
@@ -33,8 +34,10 @@ BYTES_PER_PARAMETER = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int4": 
 class Checkpoint:
     parameters: int
     file_bytes: int
-    quantized: bool  # Q4 (or other GGUF quantized) blocks: the int4 path where the engine allows it
-    int4_bytes: Optional[int] = None  # safetensors: what a dtype: int4 load holds (memory_plan.py)
+    quantized: bool  # GGUF blocks specchat's kernels run: the int4 path where the engine allows it
+    int4_bytes: Optional[int] = None  # what a load on the kernels holds (memory_plan.py)
+    kv_position_elements: int = 0  # keys and values of every attention layer, a position
+    rope_position_bytes: int = 0  # the float32 RoPE tables (cos, sin), a position
 
 
 def read_checkpoint(path: Path, kind: str) -> Checkpoint:
@@ -43,10 +46,11 @@ def read_checkpoint(path: Path, kind: str) -> Checkpoint:
         from specchat import paths
         from specchat.backends.native.gguf_loader import read_index
 
-        tensors = read_index(path, paths.cache_dir()).tensors.values()
-        params = sum(math.prod(t.shape) for t in tensors)
-        quantized = any(t.tensor_type.name.startswith("Q4") for t in tensors)
-        return Checkpoint(params, path.stat().st_size, quantized)
+        index = read_index(path, paths.cache_dir())
+        tensors = {t.name: (t.tensor_type.name, tuple(t.shape)) for t in index.tensors.values()}
+        params = sum(math.prod(shape) for _, shape in tensors.values())
+        quantized = any(qtype in TILE_BYTES for qtype, _ in tensors.values())
+        return Checkpoint(params, path.stat().st_size, quantized, gguf_bytes(tensors), *_gguf_positions(index))
     params = stored = 0
     shapes: dict[str, tuple[int, ...]] = {}
     for shard in sorted(Path(path).glob("*.safetensors")):  # each header checked against the file's size
@@ -57,7 +61,38 @@ def read_checkpoint(path: Path, kind: str) -> Checkpoint:
     if not stored:  # PyTorch pickles (EAGLE-3 heads ship as pytorch_model.bin): never unpickled here
         stored = sum(f.stat().st_size for f in Path(path).glob("pytorch_model*.bin"))
         params = stored // stored_element_bytes(Path(path))
-    return Checkpoint(params, stored, False, int4_dir_bytes(shapes, read_config(Path(path))) if shapes else None)
+    config = read_config(Path(path))
+    return Checkpoint(params, stored, False, int4_dir_bytes(shapes, config) if shapes else None, *_hf_positions(config))
+
+
+def _gguf_positions(index) -> tuple[int, int]:
+    """A GGUF's (KV cache elements, RoPE table bytes) a position, from its metadata (0 where it does
+    not say)."""
+    arch = index.field("general.architecture")
+
+    def field(key: str, default=0):
+        value = index.field(f"{arch}.{key}", default)
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    heads = field("attention.head_count")
+    head_dim = field("attention.key_length") or (field("embedding_length") // heads if heads else 0)
+    return kv_cache_bytes(field("block_count"), field("attention.head_count_kv", heads), head_dim, 0, 1), 8 * head_dim
+
+
+def _hf_positions(config: dict) -> tuple[int, int]:
+    """The same from config.json: attention layers only (a hybrid's linear ones keep a state instead)."""
+    text = config.get("text_config", config)
+    text = text if isinstance(text, dict) else {}
+    try:
+        heads, layers = int(text["num_attention_heads"]), int(text["num_hidden_layers"])
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+        kv = int(text.get("num_key_value_heads") or heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0, 0
+    types = text.get("layer_types")
+    if isinstance(types, list) and types:
+        layers = sum(t == "full_attention" for t in types)
+    return kv_cache_bytes(layers, kv, head_dim, 0, 1), 8 * head_dim
 
 
 def read_config(folder: Path) -> dict:
@@ -124,7 +159,8 @@ def _check_gguf_once(path: str, size: int, mtime_ns: int) -> None:
 
 
 def weight_bytes(profile: Profile, device: str = "cpu") -> Optional[int]:
-    """The profile's target and drafter weights as loaded; None where a model is not on this machine."""
+    """The profile's target and drafter weights as loaded, with a GGUF's KV cache at the profile's
+    context; None where a model is not on this machine."""
     total = 0
     for found in local_checkpoints(profile):
         if found is None:
@@ -133,10 +169,14 @@ def weight_bytes(profile: Profile, device: str = "cpu") -> Optional[int]:
         precision = precision_of(profile, ck, device)
         if profile.backend in ("llamacpp", "llamaserver"):
             total += ck.file_bytes
-        elif precision == "int4" and ck.int4_bytes is not None:
+            continue
+        if precision == "int4" and ck.int4_bytes is not None:
             total += ck.int4_bytes
         else:
             total += int(ck.parameters * BYTES_PER_PARAMETER[precision])
+        # the cache in the compute dtype (bfloat16 for int4; float16's is float32 on CPU: model.cache_dtype)
+        element = 2 if precision in ("int4", "bfloat16") or (precision == "float16" and device != "cpu") else 4
+        total += (ck.kv_position_elements * element + ck.rope_position_bytes) * (profile.context + 1)
     return total
 
 
@@ -173,5 +213,5 @@ def check_fits(profile: Profile) -> None:
     need, free = weight_bytes(profile, device), free_bytes(device)
     if need is not None and free is not None and need > free:
         raise BackendError(
-            f"profile '{profile.name}' needs {size(need)} for its weights and {device} has {size(free)} "
+            f"profile '{profile.name}' needs {size(need)} for its weights and KV cache and {device} has {size(free)} "
             f"free: close what else is running, or pick a smaller model or a narrower dtype (int4, bfloat16)")

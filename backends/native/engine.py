@@ -25,8 +25,7 @@ from .exact_rows import model_matmuls_keep_row_bits
 from .graph_store import GraphStore, Variant
 from .model import Transformer
 from .tokenizer import ChatTokenizer
-from .int4 import Int4Rows
-from .kquant import QuantRows
+from .kquant import has_blocks
 from .recurrent_state import ROLLBACK_MODES
 from .weights import Checkpoint, build_model, load_hf_dir
 
@@ -52,11 +51,6 @@ def load_checkpoint(path: Path, kind: str, keep_int4: bool, cache_dir: Path | No
     return load_hf_dir(path, int4=quantize)
 
 
-def has_int4(ck: Checkpoint) -> bool:
-    """Whether the checkpoint holds quantized blocks for specchat's kernels (4-bit, Q8_0, K-quants)."""
-    return any(isinstance(m, (Int4Rows, QuantRows)) for layer in ck.layers for m in layer.values())
-
-
 def choose_precision(requested: str, device: torch.device, ck: Checkpoint) -> str:
     """'auto' on CPU: the int4 kernel when the GGUF holds Q4 blocks (the fastest path for a small
     model), else float32 (no slower than bfloat16 on CPU for small models; re-measure:
@@ -66,7 +60,7 @@ def choose_precision(requested: str, device: torch.device, ck: Checkpoint) -> st
         return requested
     if device.type != "cpu":
         return "bfloat16"
-    return "int4" if has_int4(ck) else "float32"
+    return "int4" if has_blocks(ck.layers) else "float32"
 
 
 class TorchBackend(Backend):

@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Optional
 
 from .gguf_loader import SUPPORTED_ARCHS, read_index
+from .memory_plan import TILE_BYTES
 
 # The GGUF tensor types the native engine runs as they are stored: the float types, and the
-# quantized blocks its CPU kernels run (Q4_0 and Q4_1; Q8_0, Q4_K, Q5_K and Q6_K with the kernels
-# being added beside them, whose loader imports this list). Any other type (IQ*, Q2_K, Q3_K, TQ*,
-# Q5_0, ...) would be dequantized to float32 at load: such a file runs on llama.cpp instead.
-NATIVE_MATRIX_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# quantized blocks its CPU kernels run (memory_plan.TILE_BYTES: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K).
+# Any other type (IQ*, Q2_K, Q3_K, TQ*, Q5_0, ...) would be dequantized to float32 at load: such a
+# file runs on llama.cpp instead.
+NATIVE_MATRIX_TYPES = ("F32", "F16", "BF16", *TILE_BYTES)
 
 __all__ = ["NATIVE_MATRIX_TYPES", "native_refusal"]
 

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import memory_plan
+from .int4 import Int4Rows
+from .linear import Q4_TILES, Linear
+
 # GGUF type id (ggml.h's ggml_type) and the bytes and weights of one block in the file
 TYPES = {"Q8_0": (8, 34, 32), "Q4_K": (12, 144, 256), "Q5_K": (13, 176, 256), "Q6_K": (14, 210, 256)}
 # tile bytes per 16 columns x 32 inputs (kquant.h's structs, a super-block's share for K-quants)
@@ -56,6 +60,11 @@ class QuantRows:
         import numpy as np
 
         return QuantRows(type_name, torch.from_numpy(np.array(data, dtype=np.uint8)).view(rows, -1), cols)
+
+
+def has_blocks(layers: list[dict]) -> bool:
+    """Whether a checkpoint's layers hold blocks for specchat's kernels (Q4_0/Q4_1, Q8_0, K-quants)."""
+    return any(isinstance(m, (Int4Rows, QuantRows)) for layer in layers for m in layer.values())
 
 
 def fits(m: QuantRows) -> bool:
@@ -169,17 +178,11 @@ def type_id(name: str) -> int:
     return TYPES[name][0]
 
 
-# kq_layout's kind for a segment of q4.h tiles (GGUF Q4_0 and Q4_1 alike, as Int4Rows): Q4_1's type id
-Q4_TILES = 3
-
-
 def kquant_linear(parts: list, bias: Tensor | None = None):
     """A Linear over `parts` (QuantRows and Int4Rows, stacked by rows, all of one input width) on
     specchat's kernels: neighbouring parts of one type run as one segment. None where a part's
     shape does not fit the tiles or the kernels cannot be built here (the caller then runs floats)."""
     from . import q4_kernel
-    from .int4 import Int4Rows
-    from .linear import Linear
 
     if not q4_kernel.available():
         return None
@@ -243,3 +246,27 @@ def on_tiles(m, bias: Tensor | None = None):
         return None
     (kind, rows), = lin.kq_layout
     return lin, TileEmbedding(lin.kq[0], kind, rows, lin.kq_in)
+
+
+def float_embedding(embed) -> Tensor:
+    """An embedding's rows as float32 (bfloat16 kept as it is: its rows are widened when looked up)."""
+    if isinstance(embed, (Int4Rows, QuantRows)):
+        return embed.dequantize()
+    return embed if embed.dtype == torch.bfloat16 else embed.float()
+
+
+def head_on_tiles(ck) -> tuple[object, Linear | None]:
+    """A Checkpoint's (weights.py) (embedding, head) on specchat's kernels in the file's types, where
+    the head is big (memory_plan.HEAD_FLOAT_MAX_BYTES) and its blocks fit the tiles; else (None,
+    None). An untied embedding gets tiles of its own where its type has them, else it is float32."""
+    source = ck.head if ck.head is not None else ck.embed
+    if not isinstance(source, QuantRows) or 4 * source.shape[0] * source.shape[1] <= memory_plan.HEAD_FLOAT_MAX_BYTES:
+        return None, None
+    tied = on_tiles(source)
+    if tied is None:
+        return None, None
+    head, embed = tied
+    if ck.head is not None:
+        own = on_tiles(ck.embed) if isinstance(ck.embed, QuantRows) else None
+        embed = own[1] if own is not None else float_embedding(ck.embed)
+    return embed, head

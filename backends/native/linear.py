@@ -9,6 +9,9 @@ from torch import Tensor, nn
 
 from ..cpu import native_bfloat16
 
+# kq_layout's kind for a segment of q4.h tiles (GGUF Q4_0 and Q4_1 alike, as Int4Rows): Q4_1's type id
+Q4_TILES = 3
+
 # From this many rows on, a dense matmul beats torch's int4 kernel, whose cost grows with every row
 # (re-measure: scripts/bench_engine.py, a long prefill with and without the dense copy).
 DENSE_MIN_ROWS = 8
@@ -91,8 +94,6 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _segments(self, x: Tensor) -> Tensor:
-        from .kquant import Q4_TILES
-
         ys = [torch.ops.specchat.q4_linear(x, tiles, n) if kind == Q4_TILES
               else torch.ops.specchat.kq_linear(x, tiles, kind, n) for tiles, (kind, n) in zip(self.kq, self.kq_layout)]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)

@@ -21,6 +21,20 @@ import re
 # speed up prefill; larger models prefill on the int4 kernel.
 DENSE_COPY_MAX_BYTES = 1 << 30
 
+# A head whose float32 copy would take more than this runs on specchat's kernels in the file's own
+# type, its embedding read from the same tiles (weights.py): for a big vocabulary the float32 head
+# (4 bytes a weight, and its int8 copy) would outweigh the layers' blocks. Smaller heads keep float32
+# logits, whose argmax argmax_head.py finds exactly (the default model's: 113 MB).
+HEAD_FLOAT_MAX_BYTES = 128 << 20
+
+# Bytes a weight of the kernels' tiles (kernels/q4.h, kquant.h: a 16-column tile of 32 inputs, or a
+# K-quant super-block's share) by GGUF type, and the inputs a block of the type spans.
+TILE_BYTES = {"Q4_0": 320 / 512, "Q4_1": 320 / 512, "Q8_0": 544 / 512, "Q4_K": 2368 / 4096, "Q5_K": 2880 / 4096,
+              "Q6_K": 3360 / 4096}
+BLOCK_INPUTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+GGUF_MATRICES = re.compile(r"blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
+GGUF_COPIED = re.compile(r"blk\.\d+\.(?:attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
+
 INT4_BYTES = 0.625  # a weight: 4 bits, plus a 16-bit scale and offset per 32 (q4_kernel.pack, torch's pack)
 HEAD_ROW_BYTES = 14  # the argmax head's per-token scale (bfloat16 and float32) and two float32 norms
 
@@ -77,6 +91,50 @@ def int4_dir_bytes(shapes: dict[str, tuple[int, ...]], config: dict) -> int | No
         else:
             total += 4 * n  # norms, routers, biases: float32
     return int(total + (copies if copies <= DENSE_COPY_MAX_BYTES else 0))
+
+
+def tiles_fit(qtype: str, rows: int, inputs: int) -> bool:
+    """Whether a matrix [rows, inputs] of this GGUF type runs on the kernels' tiles."""
+    return qtype in TILE_BYTES and rows % 16 == 0 and inputs % BLOCK_INPUTS[qtype] == 0
+
+
+def gguf_bytes(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> int:
+    """Bytes of the weights a GGUF (tensor name -> (type name, shape in GGUF order)) is held in by a
+    CPU load on the kernels (gguf_loader.py, weights.build_model): layer matrices of a type the
+    tiles take as tiles, Q4 ones also with a bfloat16 copy while all copies stay under
+    DENSE_COPY_MAX_BYTES, other matrices as bfloat16; the head (and a tied embedding) as tiles
+    past HEAD_FLOAT_MAX_BYTES, else float32 with the int8 copy; norms float32."""
+    total = copies = 0.0
+    for name, (qtype, shape) in tensors.items():
+        n, rows, inputs = math.prod(shape), shape[-1], shape[0]  # GGUF lists the innermost dimension first
+        if GGUF_MATRICES.fullmatch(name):
+            if tiles_fit(qtype, rows, inputs):
+                total += TILE_BYTES[qtype] * n
+                copies += 2 * n if qtype in ("Q4_0", "Q4_1") else 0
+            else:
+                total += 2 * n
+        elif name not in ("token_embd.weight", "output.weight"):
+            total += 4 * n
+    embed, head = tensors.get("token_embd.weight"), tensors.get("output.weight")
+    source = head or embed
+    if source is not None:
+        qtype, shape = source
+        rows, inputs = shape[-1], shape[0]
+        if 4 * rows * inputs > HEAD_FLOAT_MAX_BYTES and qtype in TILE_BYTES and qtype not in ("Q4_0", "Q4_1") \
+                and tiles_fit(qtype, rows, inputs):
+            total += TILE_BYTES[qtype] * rows * inputs
+            if head is not None and embed is not None:  # an untied embedding: its own tiles, else float32
+                e_type, e_shape = embed
+                fit = e_type not in ("Q4_0", "Q4_1") and tiles_fit(e_type, e_shape[-1], e_shape[0])
+                total += (TILE_BYTES[e_type] if fit else 4) * math.prod(e_shape)
+        else:
+            total += head_bytes((rows, inputs)) + (4 * math.prod(embed[1]) if head is not None and embed else 0)
+    return int(total + (copies if copies <= DENSE_COPY_MAX_BYTES else 0))
+
+
+def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, context: int, element: int) -> int:
+    """Keys and values of every attention layer at `context` positions (model.KVCache: one more)."""
+    return 2 * layers * kv_heads * head_dim * (context + 1) * element
 
 
 def head_bytes(shape: tuple[int, ...]) -> int:

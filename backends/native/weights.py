@@ -26,7 +26,7 @@ from . import argmax_head
 from .config import COMPLETE, ModelConfig, MoeShape, read_hf_config
 from .gated_delta import recurrent_layer
 from .int4 import Int4Rows, Matrix, int4_linear, quantize_layer
-from .kquant import QuantRows, kquant_linear, on_tiles
+from .kquant import QuantRows, float_embedding, head_on_tiles, kquant_linear
 from .layers import DecoderLayer, decoder_layer
 from .linear import Linear
 from .memory_plan import DENSE_COPY_MAX_BYTES, return_freed_memory
@@ -345,36 +345,6 @@ def dense_copy_bytes(ck: Checkpoint) -> int:
                for k, m in layer.items() if k in COPIED_KEYS and isinstance(m, Int4Rows))
 
 
-# A head whose float32 copy would take more than this runs on specchat's kernels in the file's own
-# type, its embedding read from the same tiles: for a big vocabulary the float32 head (4 bytes a
-# weight) would outweigh the layers' blocks. Smaller heads keep float32 logits, whose argmax
-# argmax_head.py finds exactly (the default model's: 113 MB).
-HEAD_FLOAT_MAX_BYTES = 128 << 20
-
-
-def _float_embedding(embed) -> Tensor:
-    if isinstance(embed, (Int4Rows, QuantRows)):
-        return embed.dequantize()
-    return embed if embed.dtype == torch.bfloat16 else embed.float()
-
-
-def _head_on_tiles(ck: Checkpoint) -> tuple[object, Linear | None]:
-    """(embedding, head) on specchat's kernels in the file's types, where the head is big
-    (HEAD_FLOAT_MAX_BYTES) and its blocks fit the tiles; else (None, None). An untied embedding
-    gets tiles of its own where its type has them, else it is float32."""
-    source = ck.head if ck.head is not None else ck.embed
-    if not isinstance(source, (Int4Rows, QuantRows)) or 4 * source.shape[0] * source.shape[1] <= HEAD_FLOAT_MAX_BYTES:
-        return None, None
-    tied = on_tiles(source)
-    if tied is None:
-        return None, None
-    head, embed = tied
-    if ck.head is not None:
-        own = on_tiles(ck.embed) if isinstance(ck.embed, (Int4Rows, QuantRows)) else None
-        embed = own[1] if own is not None else _float_embedding(ck.embed)
-    return embed, head
-
-
 def _float_head(weight: Matrix, dtype: torch.dtype, int4: bool, device: torch.device) -> Linear:
     if device.type == "cpu" and dtype != torch.float32:
         # Logits stay float32 on CPU: bfloat16 logits (resolution 0.125 at 25) turn near-ties
@@ -408,10 +378,10 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
             del layer
             return_freed_memory()  # the layer's float32 temporaries: else they stay resident as free heap
             advance()
-    embed, head = _head_on_tiles(ck) if int4 and device.type == "cpu" else (None, None)
+    embed, head = head_on_tiles(ck) if int4 and device.type == "cpu" else (None, None)
     if head is None:
         # bfloat16 where load_hf_dir(int4=True) kept it so (its rows are widened when looked up), else float32
-        embed = _float_embedding(ck.embed).to(device)
+        embed = float_embedding(ck.embed).to(device)
         head = _float_head(ck.head if ck.head is not None else embed.float(), dtype, int4, device)
     model = Transformer(ck.cfg, embed, layers, ck.norm.float().to(device), head, dtype, max_len, rollback)
     if head.pairwise:

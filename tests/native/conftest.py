@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.native.tiny import LAYOUTS, make_gguf, make_hf_checkpoint, quantize_with_llamacpp
+from tests.native.tiny import LAYOUTS, make_gguf, make_hf_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -27,15 +27,3 @@ def real_gguf():
 
     return pull(progress=False)
 
-
-KQUANT_FTYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
-
-
-@pytest.fixture(scope="session")
-def kquant_ggufs(tmp_path_factory) -> dict:
-    """ftype -> a llama-arch GGUF of a tiny checkpoint wide enough for K-quant blocks (256), quantized
-    by llama.cpp's own quantizer, as the files people download are."""
-    root = tmp_path_factory.mktemp("kquant")
-    hf = make_hf_checkpoint(root / "hf", "llama", seed=21, hidden=256, ffn=512)
-    source = make_gguf(root / "tiny-F32.gguf", hf, "F32")
-    return {f: quantize_with_llamacpp(source, root / f"tiny-{f}.gguf", f) for f in KQUANT_FTYPES}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specchat.backends.base import Request, Sampling, run_to_summary
-from specchat.backends.native import q4_kernel, weights
+from specchat.backends.native import memory_plan, q4_kernel
 from specchat.backends.native.engine import TorchBackend
 from specchat.backends.native.kquant import TileEmbedding
 from specchat.backends.native.linear import Linear
@@ -17,7 +17,7 @@ from specchat.backends.native.memory_plan import held_bytes
 from specchat.backends.speculative.backend import SpeculativeBackend
 from specchat.backends.speculative.drafters import DraftModelDrafter, NgramDrafter
 from specchat.verify import fresh
-from tests.native.conftest import KQUANT_FTYPES
+from tests.conftest import KQUANT_FTYPES
 from tests.speculative.conftest import PROMPTS
 
 pytestmark = pytest.mark.skipif(not q4_kernel.available(), reason="specchat's kernels could not be built here")
@@ -32,7 +32,7 @@ def engine(path, **kw) -> TorchBackend:
 @pytest.fixture
 def heads_on_tiles(monkeypatch):
     """The tiny model's head (and embedding) on the kernels' tiles, as a big vocabulary's are."""
-    monkeypatch.setattr(weights, "HEAD_FLOAT_MAX_BYTES", 0)
+    monkeypatch.setattr(memory_plan, "HEAD_FLOAT_MAX_BYTES", 0)
 
 
 def file_types(path) -> set[str]:

@@ -101,8 +101,7 @@ def make_hybrid_checkpoint(out: Path, family: str = "qwen3_5", seed: int = 0, la
             elif "norm" in name:  # zero-centred: applied as 1 + w
                 p.copy_(0.2 * torch.randn_like(p))
             else:
-                # at the default width 0.15; wider layers scaled down to keep the activations' size
-                p.copy_(torch.randn_like(p) * (0.3 if "embed" in name else 0.15 * (64 / hidden) ** 0.5))
+                p.copy_(torch.randn_like(p) * (0.3 if "embed" in name else 0.15))
     model.save_pretrained(str(out))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     return out
