@@ -32,24 +32,62 @@ def extra_buffers_work(gguf_path: Path, cache_dir: Path | None = None) -> bool:
     import importlib.metadata
 
     if cache_dir is None:
-        return _probe(str(gguf_path))
+        return _probe(str(gguf_path)) is not False
     # The installed version, read without importing llama_cpp (which takes seconds).
     marker = Path(cache_dir) / f"llamacpp-{importlib.metadata.version('llama-cpp-python')}-extra-buffers"
     ok_file, broken_file = Path(f"{marker}.ok"), Path(f"{marker}.broken")
     if ok_file.exists() or broken_file.exists():
         return ok_file.exists()
     ok = _probe(str(gguf_path))
+    if ok is None:  # a file llama.cpp refuses: its load says why; nothing remembered of the CPU
+        return True
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     (ok_file if ok else broken_file).touch()
     return ok
 
 
 @functools.cache
-def _probe(gguf_path: str) -> bool:
+def _probe(gguf_path: str) -> bool | None:
+    """True: the batch ran; False: the child died by a signal (the fault); None: it exited with an
+    error, llama.cpp refusing the file itself, which says nothing of this CPU."""
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-c", _PROBE, gguf_path], capture_output=True, timeout=300).returncode == 0
+    code = subprocess.run([sys.executable, "-c", _PROBE, gguf_path], capture_output=True, timeout=300).returncode
+    return True if code == 0 else False if code < 0 else None
+
+
+def load_refusal(gguf_path: Path | str) -> str | None:
+    """None when llama.cpp reads this GGUF's architecture, hyperparameters and vocabulary (a
+    vocab-only load: milliseconds, no weights), else its own reason ("unknown model architecture:
+    'foo'"). Asked before a file goes to llama.cpp, so that one it cannot load is one line up front
+    (and never reaches `extra_buffers_work`'s probe)."""
+    import ctypes
+
+    try:
+        import llama_cpp
+        from llama_cpp import _logger
+    except ImportError:
+        return "llama-cpp-python is not installed (`pip install llama-cpp-python`)"
+    said: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def keep(level, text, user_data):  # llama.cpp's log, kept rather than printed
+        said.append(text.decode("utf-8", "replace"))
+
+    llama_cpp.llama_log_set(keep, ctypes.c_void_p(0))
+    try:
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        model = llama_cpp.llama_model_load_from_file(str(gguf_path).encode(), params)
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+    if model:
+        llama_cpp.llama_model_free(model)
+        return None
+    why = [line.rpartition("error loading model:")[2].strip() for line in "".join(said).splitlines()
+           if "error loading model:" in line]
+    return why[0] if why else "llama.cpp could not load it"
 
 
 @contextlib.contextmanager

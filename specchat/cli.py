@@ -28,12 +28,29 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# bare `specchat -m FILE` / `specchat -p PROFILE`: the chat's flags, before any command
+CHAT_FLAGS = ("-m", "--model", "-p", "--profile")
+
+
+def _bare_chat(argv: list[str]) -> list[str]:
+    """argv with `chat` put in where it starts with the chat's own flags (after --debug, if any)."""
+    lead = [a for a in argv[:1] if a == "--debug"]
+    rest = argv[len(lead):]
+    if rest and (rest[0].split("=", 1)[0] in CHAT_FLAGS or rest[0][:2] in ("-m", "-p")):
+        return [*lead, "chat", *rest]
+    return argv
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    from specchat.model_flag import forget
+
+    forget()  # no -m profile from an earlier command in this process
     parser = build_parser()
+    argv = _bare_chat(list(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            args = parser.parse_args(["chat", *(argv or sys.argv[1:])])
+            args = parser.parse_args(["chat", *argv])
     except UsageError as e:  # a flag's value its type= refused (_count)
         err(str(e))
         return EXIT_USAGE

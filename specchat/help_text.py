@@ -22,6 +22,8 @@ examples (the first three commands):
 
 more:
   specchat profiles              the profiles: engine, draft method, model
+  specchat chat -m model.gguf    any GGUF file or checkpoint directory, no
+                                 profile written (-m FILE on every command)
   specchat ab -p smollm2-mtp     A/B view: MTP drafting against target-only
   specchat COMMAND --help        a command's options and examples
 
@@ -34,23 +36,29 @@ examples:
   specchat                          the chat on the default (smollm2-fast)
   specchat chat -p smollm2-ngram    the chat with prompt-lookup drafting
   specchat chat -p smollm2-suffix   suffix decoding, from earlier replies too
+  specchat chat -m model.gguf       a GGUF file or checkpoint directory, with
+                                    the default speculation (also: specchat -m)
 keys: Enter send · Esc stop · F2 profile · F3 A/B view · Ctrl+T token colours""",
     "ab": """\
 examples:
   specchat ab -p smollm2-ngram             prompt lookup against target-only
   specchat ab -p smollm2-mtp -r smollm2    MTP against a named reference
   specchat ab -p smollm2 -r smollm2        the floor: target-only vs itself
+  specchat ab -m model.gguf                a file's default speculation
 keys: Esc stop/back · Ctrl+G race · Ctrl+L use other reply · Ctrl+F floor""",
     "repl": """\
 examples:
   specchat repl                   the REPL on the default profile
   specchat repl -p smollm2-mtp    with MTP drafting
+  specchat repl -m model.gguf     a GGUF file (or checkpoint directory)
 inside: /profile, /ab, /verify, /system, /save, /stats, /exit;
   /schema FILE|off, /regex R|off, /grammar FILE|off: the shape of replies""",
     "run": """\
 examples:
   specchat run "Explain speculative decoding in one sentence."
   specchat run -p smollm2-ngram --stats "Write a haiku about a fast computer."
+  specchat run -m model.gguf "Hello"   (a GGUF file or checkpoint directory;
+    the engine that runs it, and why, on stderr; -p PROFILE: its settings)
   echo "What is 17 * 23?" | specchat run -p smollm2-mtp --json
   specchat run --json-schema person.json "Ada Lovelace, born 1815, as JSON"
   specchat run --regex '[0-9]{3}-[0-9]{4}' 'Make up a phone number'""",
@@ -65,6 +73,7 @@ examples:
     "bench": """\
 examples:
   specchat bench -p smollm2 -p smollm2-ngram
+  specchat bench -m model.gguf -p smollm2 -p smollm2-suffix   (on that file)
   specchat bench -p smollm2-ngram -p smollm2-mtp --max-tokens 128
   specchat bench -p smollm2-mtp --prompts question.jsonl --limit 12 --json
   specchat bench -p smollm2-ngram --prompts scripts/extraction-prompts.jsonl
@@ -74,11 +83,13 @@ are against target-only, measured in the same run)""",
     "ladder": """\
 examples:
   specchat ladder -p smollm2-ngram --depths 1-6
+  specchat ladder -m model.gguf --depths 1-7
   specchat ladder -p smollm2-dflash --depths 1-3 --plot ladder.png
   specchat ladder -p smollm2-mtp --depths 1,2,4 --plot ladder.svg""",
     "verify": """\
 examples:
   specchat verify -p smollm2-ngram
+  specchat verify -m model.gguf --prompts question.jsonl --limit 20
   specchat verify -p smollm2-mtp --prompts question.jsonl --limit 20
   specchat verify -p smollm2-draft -r smollm2 --json
   specchat verify -p smollm2-ngram --repeat 3  (does the target repeat itself?)

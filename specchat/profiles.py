@@ -29,6 +29,19 @@ class ProfileError(Exception):
     """One clear line: which file, which key, what is expected."""
 
 
+# Profiles built in memory for this process (`-m FILE`: specchat/model_flag.py), found by name as the
+# files' are (the chat, its picker, the REPL); never written anywhere.
+_SESSION: dict[str, "Profile"] = {}
+
+
+def add_session_profile(profile: "Profile") -> None:
+    _SESSION[profile.name] = profile
+
+
+def clear_session_profiles() -> None:
+    _SESSION.clear()
+
+
 class Profile(Strict):
     name: str
     description: str = ""
@@ -317,6 +330,9 @@ def load_profiles() -> ProfileSet:
             profiles[name] = _build(name, _resolve(name, files, raw), files[name])
         except ProfileError as e:
             errors[name] = str(e)
+    for name, profile in _SESSION.items():
+        profiles[name] = profile
+        errors.pop(name, None)
     return ProfileSet(profiles, errors)
 
 

@@ -25,6 +25,7 @@ from specchat.context_window import fit_request
 from specchat.conversation import Conversation
 from specchat.history import History, HistoryError
 from specchat.live import Failed, Item, one_line, pump, speedup_line, stats_line
+from specchat.model_flag import flagged_engine_line
 from specchat.profiles import Profile, ProfileError, load_profiles
 from specchat.session_constraint import COMMANDS as CONSTRAINT_COMMANDS, HELP as CONSTRAINT_HELP, SessionConstraint, label
 from specchat.stdin_text import StdinText
@@ -130,6 +131,8 @@ class Repl:
         self.last = self.last_request = None  # the previous profile's figures are not this one's
         self.conv.set_profile(profile.name)
         self.say(f"[{profile.name}: {profile.method_label} · {profile.model}]")
+        if engine := flagged_engine_line(profile):  # -m's file: which engine runs it and why
+            self.say(f"[{engine}]")
         history = self.conv.history
         memory = suffix_memory.warm(backend, profile, history.path if history else None,
                                     progress=lambda line: self.say(f"[{line}]"))

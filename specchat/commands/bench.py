@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 
 from specchat import help_text
-from specchat.commands.common import (EXIT_OK, add_prompt_flags, add_sampling_flags, count, overridden,
-                                      prompt_set, run_line)
+from specchat.commands.common import (EXIT_OK, add_prompt_flags, add_sampling_flags, chosen_profile, count,
+                                      overridden, prompt_set, run_line)
 from specchat.constraints import add_constraint_flags
-from specchat.profiles import DEFAULT_PROFILE, get_profile
+from specchat.model_flag import add_model_flag
 
 
 def cmd_bench(args) -> int:
@@ -16,7 +16,8 @@ def cmd_bench(args) -> int:
 
     from specchat import bench
 
-    profiles = [overridden(get_profile(n), args) for n in (args.profile or [DEFAULT_PROFILE])]
+    # None: the default profile, or with -m alone the profile -m builds; with -m, every -p on its file
+    profiles = [overridden(chosen_profile(args, n), args) for n in (args.profile or [None])]
     if args.concurrency:
         from specchat.under_load import profile_for_load
 
@@ -46,6 +47,7 @@ def cmd_bench(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", **help_text.subcommand("bench"))
     p.add_argument("-p", "--profile", action="append", help="profile to run (repeatable)")
+    add_model_flag(p, " (each -p's)")
     add_prompt_flags(p)
     add_sampling_flags(p)
     p.add_argument("--sequential", action="store_true",

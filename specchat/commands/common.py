@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Optional
 
 from specchat.live import stats_line
 
@@ -17,6 +18,29 @@ def err(msg: str) -> None:
     print(f"specchat: error: {msg}", file=sys.stderr)
 
 
+def chosen_profile(args, name: Optional[str] = None):
+    """The profile a command runs: profile `name` (the default for None), or, with -m FILE, the one
+    -m builds (alone) or `name` with its model replaced by FILE (specchat/model_flag.py)."""
+    from specchat.profiles import get_profile
+
+    if getattr(args, "model", None) is None:
+        return get_profile(name)
+    from specchat.model_flag import profile_for_model
+
+    return profile_for_model(args.model, name)
+
+
+def chosen_name(args) -> Optional[str]:
+    """For the commands that take a profile by name (chat, ab, repl): -p's, or that of the profile
+    -m built for this process; None for neither."""
+    return chosen_profile(args, args.profile).name if getattr(args, "model", None) is not None else args.profile
+
+
+def needs_profile_or_model(args, command: str, what: str = "PROFILE") -> None:
+    if not args.profile and getattr(args, "model", None) is None:
+        raise UsageError(f"{command} needs -p {what} or -m FILE (a GGUF file or a checkpoint directory)")
+
+
 def overridden(profile, args):
     """The profile with this command's flags applied (sampling flags and --set KEY=VALUE)."""
     import yaml
@@ -29,6 +53,8 @@ def overridden(profile, args):
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UsageError(f"--set {item!r}: expected KEY=VALUE, e.g. --set speculative.depth=3")
+        if key.strip() == "model" and getattr(args, "model", None) is not None:
+            raise UsageError(f"--set {item}: the model is -m's ({args.model}); give it once")
         settings[key.strip()] = yaml.safe_load(value)
     profile = profile.with_overrides(settings)
     if getattr(args, "no_constraint", False):

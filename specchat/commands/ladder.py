@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 
 from specchat import help_text
-from specchat.commands.common import (EXIT_OK, UsageError, add_prompt_flags, add_sampling_flags, overridden,
-                                      prompt_set, run_line)
-from specchat.profiles import get_profile
+from specchat.commands.common import (EXIT_OK, UsageError, add_prompt_flags, add_sampling_flags, chosen_profile,
+                                      needs_profile_or_model, overridden, prompt_set, run_line)
+from specchat.model_flag import add_model_flag
 
 
 def cmd_ladder(args) -> int:
@@ -18,7 +18,8 @@ def cmd_ladder(args) -> int:
     depths = ladder.parse_depths(args.depths)
     if args.plot and (problem := plot.plot_problem(args.plot)):
         raise UsageError(problem)
-    profile = overridden(get_profile(args.profile), args)
+    needs_profile_or_model(args, "ladder", "SPEC")
+    profile = overridden(chosen_profile(args, args.profile), args)
     ladder.check(profile)
     prompts = prompt_set(args)
     console = Console(stderr=True)
@@ -37,7 +38,8 @@ def cmd_ladder(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("ladder", **help_text.subcommand("ladder"))
-    p.add_argument("-p", "--profile", required=True, help="a speculative profile (e.g. smollm2-mtp)")
+    p.add_argument("-p", "--profile", help="a speculative profile (e.g. smollm2-mtp), or -m FILE alone")
+    add_model_flag(p)
     p.add_argument("--depths", default="1-6", help="draft depths: a range like 1-6 or a list like 1,2,4 (default 1-6)")
     add_prompt_flags(p)
     p.add_argument("--plot", metavar="FILE", help="also draw the chart (matplotlib) into FILE: .png or .svg")

@@ -8,10 +8,11 @@ from typing import Optional
 
 from specchat import help_text
 from specchat.backends.base import BackendError, Request, Summary
-from specchat.commands.common import EXIT_OK, EXIT_RUNTIME, UsageError, add_sampling_flags, err, overridden
+from specchat.commands.common import (EXIT_OK, EXIT_RUNTIME, UsageError, add_sampling_flags, chosen_profile, err,
+                                      overridden)
 from specchat.constraints import add_constraint_flags
 from specchat.live import background_note, stats_line
-from specchat.profiles import get_profile
+from specchat.model_flag import add_model_flag, engine_line, engine_of
 
 
 def cmd_run(args) -> int:
@@ -22,7 +23,9 @@ def cmd_run(args) -> int:
     prompt = args.prompt if args.prompt is not None else StdinText().read()
     if not prompt.strip():
         raise UsageError("empty prompt: pass it as an argument or on stdin")
-    profile = overridden(get_profile(args.profile), args)
+    profile = overridden(chosen_profile(args, args.profile), args)
+    if args.model is not None:  # which engine -m's file runs on, and why: said once
+        print(engine_line(profile), file=sys.stderr)
     backend = load_backend(profile, background=True, start_background=False)  # started after the reply
     request = Request(messages=messages_for(profile, [{"role": "user", "content": prompt}], args.system),
                       constraint=constraint_of(profile))
@@ -50,7 +53,9 @@ def cmd_run(args) -> int:
         backend.close()
     assert summary is not None
     if args.json:
-        out = {"profile": profile.name, "backend": profile.backend, "method": profile.method,
+        engine, why = engine_of(profile)
+        out = {"profile": profile.name, "backend": profile.backend, "engine": engine, "engine_reason": why,
+               "method": profile.method,
                "depth": profile.speculative.depth if profile.method != "none" else 0, **summary.as_dict()}
         out["decode_tok_s"] = summary.decode_tok_s
         print(json.dumps(out))
@@ -68,7 +73,8 @@ def cmd_run(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("run", **help_text.subcommand("run"))
-    p.add_argument("-p", "--profile")
+    p.add_argument("-p", "--profile", help="the profile to run (default: the default profile)")
+    add_model_flag(p)
     p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
     p.add_argument("--system", help="system prompt for this run")
     p.add_argument("--json", action="store_true", help="print one JSON summary instead of the text")

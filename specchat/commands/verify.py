@@ -5,8 +5,9 @@ import json
 
 from specchat import help_text
 from specchat.commands.common import (EXIT_OK, EXIT_RUNTIME, UsageError, add_prompt_flags, add_sampling_flags,
-                                      count, overridden, prompt_set)
+                                      chosen_profile, count, needs_profile_or_model, overridden, prompt_set)
 from specchat.constraints import add_constraint_flags
+from specchat.model_flag import add_model_flag
 from specchat.profiles import get_profile
 
 
@@ -21,7 +22,8 @@ def cmd_verify(args) -> int:
     from specchat.loading import load_backend, load_reference, same_arithmetic, sampling_of
     from specchat.verify import check_conversation, summarize
 
-    spec_profile = overridden(get_profile(args.profile), args)
+    needs_profile_or_model(args, "verify", "SPEC")
+    spec_profile = overridden(chosen_profile(args, args.profile), args)
     if spec_profile.remote and not args.reference:
         spec_profile.target_only()  # raises: a server's speculation can't be switched off from here
     if spec_profile.method == "none" and not spec_profile.remote and not args.reference:
@@ -111,7 +113,8 @@ def cmd_verify(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("verify", **help_text.subcommand("verify"))
-    p.add_argument("-p", "--profile", required=True, help="the speculative profile")
+    p.add_argument("-p", "--profile", help="the speculative profile (or -m FILE alone)")
+    add_model_flag(p)
     p.add_argument("-r", "--reference", help="reference profile (default: the same profile, speculation off)")
     add_prompt_flags(p)
     p.add_argument("--turns", choices=["first", "all"], default="first",

@@ -19,6 +19,7 @@ from specchat.backends.base import BackendError, Request, Summary
 from specchat.context_window import fit_request
 from specchat.live import Failed, Item, LiveStats, format_rate, pump, speculation_figures, stats_line
 from specchat.loading import sampling_of
+from specchat.model_flag import flagged_engine_line
 from specchat.profiles import ProfileError
 from specchat.tui.budget import RenderBudget
 from specchat.tui.widgets import AssistantMessage, ChatInput, StatusBar, UserMessage, draft_sources, origin_legend
@@ -129,7 +130,8 @@ class ChatScreen(Screen):
             self.query_one(StatusBar).show(Content.assemble(*parts))
             return
         p = app.profile
-        parts += [(p.name, "bold"), f" · {p.backend} · {p.method_label}"]
+        engine = flagged_engine_line(p)  # -m's file: which engine runs it and why, in place of backend · method
+        parts += [(p.name, "bold"), f" · {engine}" if engine else f" · {p.backend} · {p.method_label}"]
         parts += [(f" · {app.constraint_label()}", "bold #ffaf00")] if app.constraint_label() else []
         if app.background_line:
             parts.append(f" · {app.background_line}")
