@@ -59,6 +59,8 @@ def weight_bytes_per_token(model) -> int:
     for lin in matmuls + heads:
         if lin.q4 is not None:  # specchat's kernel: its tiles
             total += lin.q4.numel()
+        elif lin.kq is not None:  # a GGUF type's tiles, a segment each
+            total += sum(t.numel() for t in lin.kq)
         elif lin.int4 is not None:
             packed, sz, _ = lin.int4
             total += packed.numel() * packed.element_size() + sz.numel() * sz.element_size()

@@ -1,7 +1,7 @@
 """Where a compiled single-token decode step goes: the layers' graph, the LM head's choice, and the
 operators behind them, next to what streaming the weights once would take.
 
-    python scripts/decode_step.py [-p smollm2-fast] [--steps 150]
+    python scripts/decode_step.py [-p smollm2-fast] [-m FILE.gguf] [--steps 150]
 
 Loads the profile's target (its compiled graphs from the graph store: run the profile once
 first), prefills a chat prompt and decodes greedily, timing per step the pass through the layers
@@ -26,6 +26,7 @@ def median_ms(times: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-p", "--profile", default="smollm2-fast")
+    ap.add_argument("-m", "--model", help="run the profile on this GGUF (e.g. one of scripts/shaped_gguf.py's)")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8], help="verify block sizes to time")
     args = ap.parse_args()
@@ -35,7 +36,9 @@ def main() -> None:
     from specchat.loading import load_target
     from specchat.profiles import get_profile
 
-    engine = load_target(get_profile(args.profile))  # target-only; its graphs loaded (or made) now
+    profile = get_profile(args.profile)
+    profile = profile.with_overrides({"model": args.model}) if args.model else profile
+    engine = load_target(profile)  # target-only; its graphs loaded (or made) now
     model = engine.model
     if model.compiled is None or not model.compiled.ready:
         raise SystemExit(f"{args.profile}: no compiled graphs loaded (a compile: true profile, graphs stored)")

@@ -9,6 +9,8 @@
 
 namespace {
 
+constexpr long PREFETCH_BYTES = 8192;
+
 struct Unpacked {
     __m256i w[8];  // k = 4 i .. 4 i + 3 of the half's 8 columns
     __m256 scale[2];
@@ -40,6 +42,7 @@ inline void nibbles(const uint8_t* p, int half, __m256i w[8]) {
 struct Q8_0 {
     static constexpr int halves = 1, zero = 128;
     static constexpr bool has_min = false, wide = true;
+    static constexpr long bytes = sizeof(q8_0_tile);  // a block's share of the tiles
     static void load_block(const uint8_t* tiles, int b, int half, Unpacked& u) {
         const q8_0_tile& t = reinterpret_cast<const q8_0_tile*>(tiles)[b];
         for (int i = 0; i < 8; i++) u.w[i] = load(t.u + 64 * i + 32 * half);
@@ -50,6 +53,7 @@ struct Q8_0 {
 struct Q4_K {
     static constexpr int halves = 1, zero = 0;
     static constexpr bool has_min = true, wide = false;
+    static constexpr long bytes = sizeof(q4_k_tile) / KQ_BLOCKS;
     static void load_low(const q4_k_tile& t, int j, int half, Unpacked& u) {
         nibbles(t.nibbles[j], half, u.w);
         u.scale[0] = _mm256_mul_ps(halves_of(t.d + 8 * half), widen_u8(t.sc[j] + 8 * half));
@@ -61,6 +65,7 @@ struct Q4_K {
 };
 
 struct Q5_K : Q4_K {
+    static constexpr long bytes = sizeof(q5_k_tile) / KQ_BLOCKS;
     template <int i>
     static void add_bit(__m256i high, Unpacked& u) {
         u.w[i] = _mm256_or_si256(u.w[i], bits_to_4<i>(high, _mm256_set1_epi8(0x10)));
@@ -77,6 +82,7 @@ struct Q5_K : Q4_K {
 struct Q6_K {
     static constexpr int halves = 2, zero = 32;
     static constexpr bool has_min = false, wide = false;
+    static constexpr long bytes = sizeof(q6_k_tile) / KQ_BLOCKS;
     template <int i>
     static void add_bits(__m256i high, Unpacked& u) {
         u.w[i] = _mm256_or_si256(u.w[i], bits_to_4<2 * (i % 4)>(high, _mm256_set1_epi8(0x30)));
@@ -118,6 +124,8 @@ void rows_avx2(const uint8_t* tiles, int kb, const q8_row* rows, int half, float
     __m256 acc[M];
     for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     for (int b = 0; b < kb; b++) {
+        if (half == 0)  // the tiles ahead into the cache (kquant_avx512vnni.cpp); the second half finds them there
+            for (long at = 0; at < T::bytes; at += 64) _mm_prefetch((const char*)tiles + b * T::bytes + PREFETCH_BYTES + at, _MM_HINT_T0);
         Unpacked u;
         T::load_block(tiles, b, half, u);
         for (int m = 0; m < M; m++) {

@@ -8,6 +8,8 @@
 
 namespace {
 
+constexpr long PREFETCH_BYTES = 8192;  // how far ahead in the tiles (tuned: scripts/kquant_rows_bench.py)
+
 // A block's unpacked weights and factors (kquant.h): w[i] holds k = 4 i .. 4 i + 3 of each column.
 struct Unpacked {
     __m512i w[8];
@@ -40,6 +42,7 @@ inline void nibbles(const uint8_t* p, __m512i w[8]) {
 struct Q8_0 {
     static constexpr int halves = 1, zero = 128;
     static constexpr bool has_min = false;
+    static constexpr long bytes = sizeof(q8_0_tile);  // a block's share of the tiles
     static void load(const uint8_t* tiles, int b, Unpacked& u) {
         const q8_0_tile& t = reinterpret_cast<const q8_0_tile*>(tiles)[b];
         for (int i = 0; i < 8; i++) u.w[i] = _mm512_loadu_si512(t.u + 64 * i);
@@ -50,6 +53,7 @@ struct Q8_0 {
 struct Q4_K {
     static constexpr int halves = 1, zero = 0;
     static constexpr bool has_min = true;
+    static constexpr long bytes = sizeof(q4_k_tile) / KQ_BLOCKS;
     static void load_low(const q4_k_tile& t, int j, Unpacked& u) {
         nibbles(t.nibbles[j], u.w);
         u.scale[0] = _mm512_mul_ps(halves_of(t.d), widen_u8(t.sc[j]));
@@ -61,6 +65,7 @@ struct Q4_K {
 };
 
 struct Q5_K : Q4_K {
+    static constexpr long bytes = sizeof(q5_k_tile) / KQ_BLOCKS;
     template <int i>
     static void add_bit(__m512i high, Unpacked& u) {
         u.w[i] = _mm512_or_si512(u.w[i], bits_to_4<i>(high, _mm512_set1_epi8(0x10)));
@@ -77,6 +82,7 @@ struct Q5_K : Q4_K {
 struct Q6_K {
     static constexpr int halves = 2, zero = 32;
     static constexpr bool has_min = false;
+    static constexpr long bytes = sizeof(q6_k_tile) / KQ_BLOCKS;
     template <int i>
     static void add_bits(__m512i high, Unpacked& u) {
         u.w[i] = _mm512_or_si512(u.w[i], bits_to_4<2 * (i % 4)>(high, _mm512_set1_epi8(0x30)));
@@ -112,6 +118,9 @@ void rows_avx512(const uint8_t* tiles, int kb, const q8_row* rows, float* y, lon
     __m512 acc[M];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int b = 0; b < kb; b++) {
+        // the tiles ahead into the cache while this block computes: with several rows the work per
+        // byte outgrows what the hardware prefetcher hides (scripts/kquant_rows_bench.py)
+        for (long at = 0; at < T::bytes; at += 64) _mm_prefetch((const char*)tiles + b * T::bytes + PREFETCH_BYTES + at, _MM_HINT_T0);
         Unpacked u;
         T::load(tiles, b, u);
         for (int m = 0; m < M; m++) {

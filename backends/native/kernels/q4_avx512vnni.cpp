@@ -7,12 +7,18 @@
 
 #include "q4.h"
 
+constexpr long Q4_PREFETCH_BYTES = 8192;  // how far ahead in the tiles (scripts/kquant_rows_bench.py)
+
 template <int M>
 static void rows_avx512(const q4_tile* tiles, int kb, const q8_row* rows, float* y, long ldy) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[M];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int b = 0; b < kb; b++) {
+        // the tiles ahead into the cache while this block computes: with several rows the work per
+        // byte outgrows what the hardware prefetcher hides (as kquant_avx512vnni.cpp)
+        for (int at = 0; at < (int)sizeof(q4_tile); at += 64)
+            _mm_prefetch((const char*)(tiles + b) + Q4_PREFETCH_BYTES + at, _MM_HINT_T0);
         const q4_tile& t = tiles[b];
         __m512i w[8];  // w[i]: k 4i..4i+3 of each column, unsigned
         for (int g = 0; g < 4; g++) {
