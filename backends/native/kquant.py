@@ -20,10 +20,13 @@ from .int4 import Int4Rows
 from .linear import Q4_TILES, Linear
 
 # GGUF type id (ggml.h's ggml_type) and the bytes and weights of one block in the file
-TYPES = {"Q8_0": (8, 34, 32), "Q4_K": (12, 144, 256), "Q5_K": (13, 176, 256), "Q6_K": (14, 210, 256)}
+TYPES = {"Q8_0": (8, 34, 32), "Q4_K": (12, 144, 256), "Q5_K": (13, 176, 256), "Q6_K": (14, 210, 256),
+         "Q5_0": (6, 22, 32), "Q5_1": (7, 24, 32), "IQ4_NL": (20, 18, 32), "IQ4_XS": (23, 136, 256)}
 # tile bytes per 16 columns x 32 inputs (kquant.h's structs, a super-block's share for K-quants)
-TILE_BYTES = {"Q8_0": 544, "Q4_K": 2368 // 8, "Q5_K": 2880 // 8, "Q6_K": 3360 // 8}
+TILE_BYTES = {t: int(memory_plan.TILE_BYTES[t] * 512) for t in TYPES}
 COLS = 16
+# ggml's kvalues_iq4nl: the weight an IQ4 index stands for, before the block's scale
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass
@@ -94,6 +97,29 @@ def decode(m: QuantRows) -> dict[str, Tensor]:
     multiplies), `d` float32 [rows, blocks], and per type `sc` / `m` (6-bit, per 32), `dmin`
     (Q4_K, Q5_K) or `sc` int8 per 16 (Q6_K); Q8_0's u is q + 128 and Q6_K's is q + 32."""
     b, N = _blocks(m), m.rows
+    if m.type in ("Q5_0", "Q5_1", "IQ4_NL"):  # blocks of 32: byte j holds weights j (low) and j + 16 (high)
+        qs = b[..., -16:]
+        low = torch.cat([qs & 15, qs >> 4], dim=-1)  # [N, blocks, 32]
+        parts = {"d": _half(b[..., 0:2])}
+        if m.type == "IQ4_NL":
+            parts["i"] = low.reshape(N, -1)
+            parts["u"] = (torch.tensor(IQ4_VALUES) + 128).to(torch.uint8)[low.long()].reshape(N, -1)
+            return parts
+        at = 2 if m.type == "Q5_0" else 4  # Q5_1: d, m, then the high bits
+        qh = b[..., at:at + 4].contiguous().view(torch.int32)  # bit j: the fifth bit of weight j
+        high = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)
+        parts["u"] = (low | (high << 4)).reshape(N, -1)
+        if m.type == "Q5_1":
+            parts["m"] = _half(b[..., 2:4])
+        return parts
+    if m.type == "IQ4_XS":  # d, scales_h (2 bits a block), scales_l (4 bits a block), 16 bytes a block
+        qs = b[..., 8:136].reshape(N, -1, 8, 16)
+        idx = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(N, -1)
+        j = torch.arange(8, dtype=torch.int32)
+        high = (b[..., 2:4].contiguous().view(torch.int16).to(torch.int32) >> (2 * j)) & 3
+        low = (b[..., 4:8].to(torch.int32).repeat_interleave(2, dim=-1) >> (4 * (j % 2))) & 15
+        return {"i": idx, "u": (torch.tensor(IQ4_VALUES) + 128).to(torch.uint8)[idx.long()],
+                "d": _half(b[..., 0:2]), "sc": ((low | (high << 4)) - 32).to(torch.int8).reshape(N, -1)}
     if m.type == "Q8_0":
         return {"u": (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8).reshape(N, -1),
                 "d": _half(b[..., 0:2])}
@@ -121,8 +147,14 @@ def dequantize(m: QuantRows) -> Tensor:
     def per(t: Tensor, span: int) -> Tensor:  # [N, groups] -> [N, cols]
         return t.float().repeat_interleave(span, dim=1)
 
-    if m.type == "Q8_0":
+    if m.type in ("Q8_0", "IQ4_NL"):
         return (p["u"].float() - 128) * per(p["d"], 32)
+    if m.type == "IQ4_XS":
+        return (per(p["d"], 256) * per(p["sc"], 32)) * (p["u"].float() - 128)
+    if m.type == "Q5_0":
+        return (p["u"].float() - 16) * per(p["d"], 32)
+    if m.type == "Q5_1":
+        return per(p["d"], 32) * p["u"].float() + per(p["m"], 32)
     if m.type == "Q6_K":
         return per(p["d"], 256) * (per(p["sc"], 16) * (p["u"].float() - 32))
     d, dmin = per(p["d"], 256), per(p["dmin"], 256)
@@ -153,6 +185,23 @@ def pack(m: QuantRows) -> Tensor:
     """The kernel's tiles, uint8 [rows / 16, bytes a column block] (kernels/kquant.h)."""
     N, K = m.shape
     p, nb, kb, ns = decode(m), N // COLS, K // 32, K // 256
+
+    def half_bytes(t: Tensor, groups: int) -> Tensor:  # float16 factors [N, groups] -> [nb, groups, 32]
+        return _bytes(_columns(t, N).to(torch.float16)).view(nb, groups, 32)
+
+    if m.type in ("Q5_0", "Q5_1", "IQ4_NL"):
+        parts = [_nibbles(p["i"] if m.type == "IQ4_NL" else p["u"], N, K)]
+        if m.type != "IQ4_NL":  # bit 4 of operand i at bit i of its byte
+            bits = (_operands(p["u"], N, K) >> 4).to(torch.int32)
+            parts.append((bits << torch.arange(8, dtype=torch.int32).view(8, 1, 1)).sum(2).to(torch.uint8).reshape(nb, kb, 64))
+        parts.append(half_bytes(p["d"], kb))
+        if m.type == "Q5_1":
+            parts.append(half_bytes(p["m"], kb))
+        return torch.cat(parts, -1).reshape(nb, -1)
+    if m.type == "IQ4_XS":
+        nibbles = _nibbles(p["i"], N, K).view(nb, ns, 8 * 256)
+        sc = _bytes(_columns(p["sc"], N)).view(nb, ns, 8 * COLS)
+        return torch.cat([nibbles, sc, half_bytes(p["d"], ns)], -1).reshape(nb, -1)
     if m.type == "Q8_0":
         u = _operands(p["u"], N, K).reshape(nb, kb, 512)
         d = _bytes(_columns(p["d"], N).to(torch.float16)).view(nb, kb, 32)

@@ -30,8 +30,9 @@ HEAD_FLOAT_MAX_BYTES = 128 << 20
 # Bytes a weight of the kernels' tiles (kernels/q4.h, kquant.h: a 16-column tile of 32 inputs, or a
 # K-quant super-block's share) by GGUF type, and the inputs a block of the type spans.
 TILE_BYTES = {"Q4_0": 320 / 512, "Q4_1": 320 / 512, "Q8_0": 544 / 512, "Q4_K": 2368 / 4096, "Q5_K": 2880 / 4096,
-              "Q6_K": 3360 / 4096}
-BLOCK_INPUTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+              "Q6_K": 3360 / 4096, "Q5_0": 352 / 512, "Q5_1": 384 / 512, "IQ4_NL": 288 / 512, "IQ4_XS": 2208 / 4096}
+BLOCK_INPUTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q5_0": 32, "Q5_1": 32,
+                "IQ4_NL": 32, "IQ4_XS": 256}
 GGUF_MATRICES = re.compile(r"blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
 GGUF_COPIED = re.compile(r"blk\.\d+\.(?:attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
 

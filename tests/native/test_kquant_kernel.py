@@ -18,17 +18,18 @@ pytestmark = pytest.mark.skipif(not q4_kernel.available(), reason="specchat's ke
 TYPES = tuple(kquant.TYPES)
 # where each block type keeps its float16 factors: (first byte, scale range)
 FACTORS = {"Q8_0": [(0, 0.02)], "Q4_K": [(0, 0.004), (2, 0.004)], "Q5_K": [(0, 0.002), (2, 0.002)],
-           "Q6_K": [(208, 0.002)]}
+           "Q6_K": [(208, 0.002)], "Q5_0": [(0, 0.02)], "Q5_1": [(0, 0.02), (2, 0.2)], "IQ4_NL": [(0, 0.005)],
+           "IQ4_XS": [(0, 0.0002)]}
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> kquant.QuantRows:
     """Blocks of random bytes (every bit pattern is a valid block) with finite float16 factors of a
-    realistic size; Q8_0's and Q6_K's signed scales may be negative, K-quant mins are not."""
+    realistic size, negative too (signed scales, Q5_1's min), but K-quant mins, which are not."""
     rng = np.random.default_rng(seed)
     _, size, per = kquant.TYPES[qtype]
     raw = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
     for at, top in FACTORS[qtype]:
-        low = -top if qtype in ("Q8_0", "Q6_K") else 0.0
+        low = 0.0 if qtype in ("Q4_K", "Q5_K") else -top
         raw[..., at:at + 2] = rng.uniform(low, top, size=raw.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
     return kquant.QuantRows(qtype, torch.from_numpy(raw.reshape(n, -1)), k)
 

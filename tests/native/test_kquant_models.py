@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specchat.backends.base import Request, Sampling, run_to_summary
-from specchat.backends.native import memory_plan, q4_kernel
+from specchat.backends.native import kquant, memory_plan, q4_kernel
 from specchat.backends.native.engine import TorchBackend
 from specchat.backends.native.kquant import TileEmbedding
 from specchat.backends.native.linear import Linear
@@ -47,7 +47,7 @@ def test_every_matrix_runs_on_the_kernels_in_its_file_type(kquant_ggufs, ftype):
     linears = [m for m in e.model.layers.modules() if isinstance(m, Linear)]
     assert linears and all(m.kq is not None and m.weight is None and m.dense is None for m in linears)
     kinds = {kind for m in linears for kind, _ in m.kq_layout}
-    names = {8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+    names = {type_id: name for name, (type_id, _, _) in kquant.TYPES.items()}
     assert {names[k] for k in kinds} <= file_types(path)
     if ftype == "Q4_K_M":  # llama.cpp's mix: Q4_K, with Q6_K for some attn_v and ffn_down
         assert kinds == {12, 14}

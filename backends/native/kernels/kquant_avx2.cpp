@@ -64,18 +64,24 @@ struct Q4_K {
     }
 };
 
+// bit i of each byte of `high` as bit 4 of operand i (Q5_K, Q5_0, Q5_1)
+template <int i>
+inline void add_bit(__m256i high, Unpacked& u) {
+    u.w[i] = _mm256_or_si256(u.w[i], bits_to_4<i>(high, _mm256_set1_epi8(0x10)));
+}
+
+inline void add_high_bits(const uint8_t* p, int half, Unpacked& u) {
+    const __m256i high = load(p + 32 * half);
+    add_bit<0>(high, u), add_bit<1>(high, u), add_bit<2>(high, u), add_bit<3>(high, u);
+    add_bit<4>(high, u), add_bit<5>(high, u), add_bit<6>(high, u), add_bit<7>(high, u);
+}
+
 struct Q5_K : Q4_K {
     static constexpr long bytes = sizeof(q5_k_tile) / KQ_BLOCKS;
-    template <int i>
-    static void add_bit(__m256i high, Unpacked& u) {
-        u.w[i] = _mm256_or_si256(u.w[i], bits_to_4<i>(high, _mm256_set1_epi8(0x10)));
-    }
     static void load_block(const uint8_t* tiles, int b, int half, Unpacked& u) {
         const q5_k_tile& t = reinterpret_cast<const q5_k_tile*>(tiles)[b / KQ_BLOCKS];
         load_low(t.low, b % KQ_BLOCKS, half, u);
-        const __m256i high = load(t.high[b % KQ_BLOCKS] + 32 * half);
-        add_bit<0>(high, u), add_bit<1>(high, u), add_bit<2>(high, u), add_bit<3>(high, u);
-        add_bit<4>(high, u), add_bit<5>(high, u), add_bit<6>(high, u), add_bit<7>(high, u);
+        add_high_bits(t.high[b % KQ_BLOCKS], half, u);
     }
 };
 
@@ -97,6 +103,63 @@ struct Q6_K {
         const __m256 d = halves_of(t.d + 8 * half);
         u.scale[0] = _mm256_mul_ps(d, widen_s8(t.sc[2 * j] + 8 * half));
         u.scale[1] = _mm256_mul_ps(d, widen_s8(t.sc[2 * j + 1] + 8 * half));
+    }
+};
+
+struct Q5_0 {
+    static constexpr int halves = 1, zero = 16;
+    static constexpr bool has_min = false, wide = false;
+    static constexpr long bytes = sizeof(q5_0_tile);
+    static void load_low(const q5_0_tile& t, int half, Unpacked& u) {
+        nibbles(t.nibbles, half, u.w);
+        add_high_bits(t.high, half, u);
+        u.scale[0] = halves_of(t.d + 8 * half);
+    }
+    static void load_block(const uint8_t* tiles, int b, int half, Unpacked& u) {
+        load_low(reinterpret_cast<const q5_0_tile*>(tiles)[b], half, u);
+    }
+};
+
+struct Q5_1 : Q5_0 {
+    static constexpr int zero = 0;
+    static constexpr bool has_min = true;
+    static constexpr long bytes = sizeof(q5_1_tile);
+    static void load_block(const uint8_t* tiles, int b, int half, Unpacked& u) {
+        const q5_1_tile& t = reinterpret_cast<const q5_1_tile*>(tiles)[b];
+        load_low(t.low, half, u);
+        u.offset = halves_of(t.m + 8 * half);
+    }
+};
+
+constexpr uint8_t IQ4_U[16] = {KQ_IQ4_VALUES_U8};
+
+// the 16 values' u for each index nibble: a byte shuffle within each 128-bit lane
+inline void iq4_values(Unpacked& u) {
+    const auto table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_U));
+    for (int i = 0; i < 8; i++) u.w[i] = _mm256_shuffle_epi8(table, u.w[i]);
+}
+
+struct IQ4_NL {
+    static constexpr int halves = 1, zero = 128;
+    static constexpr bool has_min = false, wide = true;
+    static constexpr long bytes = sizeof(iq4_nl_tile);
+    static void load_block(const uint8_t* tiles, int b, int half, Unpacked& u) {
+        const iq4_nl_tile& t = reinterpret_cast<const iq4_nl_tile*>(tiles)[b];
+        nibbles(t.nibbles, half, u.w);
+        iq4_values(u);
+        u.scale[0] = halves_of(t.d + 8 * half);
+    }
+};
+
+struct IQ4_XS {
+    static constexpr int halves = 1, zero = 128;
+    static constexpr bool has_min = false, wide = true;
+    static constexpr long bytes = sizeof(iq4_xs_tile) / KQ_BLOCKS;
+    static void load_block(const uint8_t* tiles, int b, int half, Unpacked& u) {
+        const iq4_xs_tile& t = reinterpret_cast<const iq4_xs_tile*>(tiles)[b / KQ_BLOCKS];
+        nibbles(t.nibbles[b % KQ_BLOCKS], half, u.w);
+        iq4_values(u);
+        u.scale[0] = _mm256_mul_ps(halves_of(t.d + 8 * half), widen_s8(t.sc[b % KQ_BLOCKS] + 8 * half));
     }
 };
 
@@ -165,4 +228,5 @@ void block_avx2(const uint8_t* tiles, int kb, const q8_row* rows, int M, float* 
 
 }  // namespace
 
-const kq_kernels kq_avx2 = {block_avx2<Q8_0>, block_avx2<Q4_K>, block_avx2<Q5_K>, block_avx2<Q6_K>};
+const kq_kernels kq_avx2 = {block_avx2<Q8_0>, block_avx2<Q4_K>, block_avx2<Q5_K>, block_avx2<Q6_K>,
+                                  block_avx2<Q5_0>, block_avx2<Q5_1>, block_avx2<IQ4_NL>, block_avx2<IQ4_XS>};

@@ -64,18 +64,24 @@ struct Q4_K {
     }
 };
 
+// bit i of each byte of `high` as bit 4 of operand i (Q5_K, Q5_0, Q5_1)
+template <int i>
+inline void add_bit(__m512i high, Unpacked& u) {
+    u.w[i] = _mm512_or_si512(u.w[i], bits_to_4<i>(high, _mm512_set1_epi8(0x10)));
+}
+
+inline void add_high_bits(const uint8_t* p, Unpacked& u) {
+    const __m512i high = _mm512_loadu_si512(p);
+    add_bit<0>(high, u), add_bit<1>(high, u), add_bit<2>(high, u), add_bit<3>(high, u);
+    add_bit<4>(high, u), add_bit<5>(high, u), add_bit<6>(high, u), add_bit<7>(high, u);
+}
+
 struct Q5_K : Q4_K {
     static constexpr long bytes = sizeof(q5_k_tile) / KQ_BLOCKS;
-    template <int i>
-    static void add_bit(__m512i high, Unpacked& u) {
-        u.w[i] = _mm512_or_si512(u.w[i], bits_to_4<i>(high, _mm512_set1_epi8(0x10)));
-    }
     static void load(const uint8_t* tiles, int b, Unpacked& u) {
         const q5_k_tile& t = reinterpret_cast<const q5_k_tile*>(tiles)[b / KQ_BLOCKS];
         load_low(t.low, b % KQ_BLOCKS, u);
-        const __m512i high = _mm512_loadu_si512(t.high[b % KQ_BLOCKS]);
-        add_bit<0>(high, u), add_bit<1>(high, u), add_bit<2>(high, u), add_bit<3>(high, u);
-        add_bit<4>(high, u), add_bit<5>(high, u), add_bit<6>(high, u), add_bit<7>(high, u);
+        add_high_bits(t.high[b % KQ_BLOCKS], u);
     }
 };
 
@@ -97,6 +103,63 @@ struct Q6_K {
         const __m512 d = halves_of(t.d);
         u.scale[0] = _mm512_mul_ps(d, widen_s8(t.sc[2 * j]));
         u.scale[1] = _mm512_mul_ps(d, widen_s8(t.sc[2 * j + 1]));
+    }
+};
+
+struct Q5_0 {
+    static constexpr int halves = 1, zero = 16;
+    static constexpr bool has_min = false;
+    static constexpr long bytes = sizeof(q5_0_tile);
+    static void load_low(const q5_0_tile& t, Unpacked& u) {
+        nibbles(t.nibbles, u.w);
+        add_high_bits(t.high, u);
+        u.scale[0] = halves_of(t.d);
+    }
+    static void load(const uint8_t* tiles, int b, Unpacked& u) {
+        load_low(reinterpret_cast<const q5_0_tile*>(tiles)[b], u);
+    }
+};
+
+struct Q5_1 : Q5_0 {
+    static constexpr int zero = 0;
+    static constexpr bool has_min = true;
+    static constexpr long bytes = sizeof(q5_1_tile);
+    static void load(const uint8_t* tiles, int b, Unpacked& u) {
+        const q5_1_tile& t = reinterpret_cast<const q5_1_tile*>(tiles)[b];
+        load_low(t.low, u);
+        u.offset = halves_of(t.m);
+    }
+};
+
+constexpr uint8_t IQ4_U[16] = {KQ_IQ4_VALUES_U8};
+
+// the 16 values' u for each index nibble: a byte shuffle within each 128-bit lane
+inline void iq4_values(Unpacked& u) {
+    const auto table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)IQ4_U));
+    for (int i = 0; i < 8; i++) u.w[i] = _mm512_shuffle_epi8(table, u.w[i]);
+}
+
+struct IQ4_NL {
+    static constexpr int halves = 1, zero = 128;
+    static constexpr bool has_min = false;
+    static constexpr long bytes = sizeof(iq4_nl_tile);
+    static void load(const uint8_t* tiles, int b, Unpacked& u) {
+        const iq4_nl_tile& t = reinterpret_cast<const iq4_nl_tile*>(tiles)[b];
+        nibbles(t.nibbles, u.w);
+        iq4_values(u);
+        u.scale[0] = halves_of(t.d);
+    }
+};
+
+struct IQ4_XS {
+    static constexpr int halves = 1, zero = 128;
+    static constexpr bool has_min = false;
+    static constexpr long bytes = sizeof(iq4_xs_tile) / KQ_BLOCKS;
+    static void load(const uint8_t* tiles, int b, Unpacked& u) {
+        const iq4_xs_tile& t = reinterpret_cast<const iq4_xs_tile*>(tiles)[b / KQ_BLOCKS];
+        nibbles(t.nibbles[b % KQ_BLOCKS], u.w);
+        iq4_values(u);
+        u.scale[0] = _mm512_mul_ps(halves_of(t.d), widen_s8(t.sc[b % KQ_BLOCKS]));
     }
 };
 
@@ -163,4 +226,5 @@ void block_avx512(const uint8_t* tiles, int kb, const q8_row* rows, int M, float
 
 }  // namespace
 
-const kq_kernels kq_avx512vnni = {block_avx512<Q8_0>, block_avx512<Q4_K>, block_avx512<Q5_K>, block_avx512<Q6_K>};
+const kq_kernels kq_avx512vnni = {block_avx512<Q8_0>, block_avx512<Q4_K>, block_avx512<Q5_K>, block_avx512<Q6_K>,
+                                  block_avx512<Q5_0>, block_avx512<Q5_1>, block_avx512<IQ4_NL>, block_avx512<IQ4_XS>};

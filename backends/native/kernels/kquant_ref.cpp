@@ -57,6 +57,50 @@ struct Q6_K {
     float offset(int) const { return 0.0f; }
 };
 
+struct Q5_0 {
+    static constexpr int halves = 1, zero = 16;
+    static constexpr bool has_min = false;
+    const q5_0_tile& t;
+    Q5_0(const uint8_t* tiles, int b, long stride = sizeof(q5_0_tile))
+        : t(*reinterpret_cast<const q5_0_tile*>(tiles + b * stride)) {}
+    int u(int c, int k) const { return nibble(t.nibbles, c, k) | ((t.high[4 * c + k % 4] >> (k / 4)) & 1) << 4; }
+    float scale(int c, int) const { return half_to_float(t.d[c]); }
+    float offset(int) const { return 0.0f; }
+};
+
+struct Q5_1 : Q5_0 {
+    static constexpr int zero = 0;
+    static constexpr bool has_min = true;
+    const uint16_t* m;
+    Q5_1(const uint8_t* tiles, int b)
+        : Q5_0(tiles, b, sizeof(q5_1_tile)), m(reinterpret_cast<const q5_1_tile*>(tiles)[b].m) {}
+    float offset(int c) const { return half_to_float(m[c]); }
+};
+
+constexpr uint8_t IQ4_U[16] = {KQ_IQ4_VALUES_U8};
+
+struct IQ4_NL {
+    static constexpr int halves = 1, zero = 128;
+    static constexpr bool has_min = false;
+    const iq4_nl_tile& t;
+    IQ4_NL(const uint8_t* tiles, int b) : t(reinterpret_cast<const iq4_nl_tile*>(tiles)[b]) {}
+    int u(int c, int k) const { return IQ4_U[nibble(t.nibbles, c, k)]; }
+    float scale(int c, int) const { return half_to_float(t.d[c]); }
+    float offset(int) const { return 0.0f; }
+};
+
+struct IQ4_XS {
+    static constexpr int halves = 1, zero = 128;
+    static constexpr bool has_min = false;
+    const iq4_xs_tile& t;
+    int j;
+    IQ4_XS(const uint8_t* tiles, int b)
+        : t(reinterpret_cast<const iq4_xs_tile*>(tiles)[b / KQ_BLOCKS]), j(b % KQ_BLOCKS) {}
+    int u(int c, int k) const { return IQ4_U[nibble(t.nibbles[j], c, k)]; }
+    float scale(int c, int) const { return half_to_float(t.d[c]) * (float)t.sc[j][c]; }
+    float offset(int) const { return 0.0f; }
+};
+
 template <class T>
 void block_ref(const uint8_t* tiles, int kb, const q8_row* rows, int M, float* y, long ldy) {
     constexpr int span = Q4_BLOCK / T::halves;  // inputs a scale covers within the block
@@ -81,7 +125,8 @@ void block_ref(const uint8_t* tiles, int kb, const q8_row* rows, int M, float* y
 
 }  // namespace
 
-const kq_kernels kq_ref = {block_ref<Q8_0>, block_ref<Q4_K>, block_ref<Q5_K>, block_ref<Q6_K>};
+const kq_kernels kq_ref = {block_ref<Q8_0>, block_ref<Q4_K>, block_ref<Q5_K>, block_ref<Q6_K>,
+                           block_ref<Q5_0>, block_ref<Q5_1>, block_ref<IQ4_NL>, block_ref<IQ4_XS>};
 
 namespace {
 
@@ -105,5 +150,9 @@ void kq_row_ref(const uint8_t* tiles, int type, int kb, int c, float* out) {
         case KQ_Q4_K: return row_of<Q4_K>(tiles, kb, c, out);
         case KQ_Q5_K: return row_of<Q5_K>(tiles, kb, c, out);
         case KQ_Q6_K: return row_of<Q6_K>(tiles, kb, c, out);
+        case KQ_Q5_0: return row_of<Q5_0>(tiles, kb, c, out);
+        case KQ_Q5_1: return row_of<Q5_1>(tiles, kb, c, out);
+        case KQ_IQ4_NL: return row_of<IQ4_NL>(tiles, kb, c, out);
+        case KQ_IQ4_XS: return row_of<IQ4_XS>(tiles, kb, c, out);
     }
 }

@@ -181,7 +181,13 @@ kq_block_fn kq_kernel(const Isa& isa, int64_t type) {
         case KQ_Q4_K: return isa.kq->q4_k;
         case KQ_Q5_K: return isa.kq->q5_k;
         case KQ_Q6_K: return isa.kq->q6_k;
-        default: TORCH_CHECK(false, "kq_linear: GGUF type ", type, " has no kernel (Q8_0, Q4_K, Q5_K, Q6_K)");
+        case KQ_Q5_0: return isa.kq->q5_0;
+        case KQ_Q5_1: return isa.kq->q5_1;
+        case KQ_IQ4_NL: return isa.kq->iq4_nl;
+        case KQ_IQ4_XS: return isa.kq->iq4_xs;
+        default:
+            TORCH_CHECK(false, "kq_linear: GGUF type ", type,
+                        " has no kernel (Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)");
     }
 }
 
@@ -191,7 +197,8 @@ at::Tensor kq_linear_on(const at::Tensor& x_in, const at::Tensor& tiles, int64_t
     check_input(x_in, tiles, K, "kq_linear");
     const kq_block_fn block = kq_kernel(isa, type);
     TORCH_CHECK(n % KQ_COLS == 0, "kq_linear: n % 16 must be 0");
-    TORCH_CHECK(type == KQ_Q8_0 || K % KQ_SUPER == 0, "kq_linear: K % 256 must be 0 for a K-quant");
+    TORCH_CHECK(K % kq_block_inputs((int)type) == 0,
+                "kq_linear: K must be whole blocks of the type (32, or 256 for K-quants and IQ4_XS)");
     const int64_t kb = K / Q4_BLOCK, nb = n / KQ_COLS, per_block = kb * kq_block_bytes((int)type);
     TORCH_CHECK(tiles.numel() == nb * per_block, "kq_linear: tiles do not match [n, K] in this type");
     const at::Tensor x = x_in.contiguous();
