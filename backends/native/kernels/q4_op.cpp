@@ -95,34 +95,38 @@ uint16_t to_bf16(float f) {  // round to nearest, ties to even (as c10::BFloat16
 
 // The rows of x [..., K] (float32 or bfloat16, contiguous), each quantized on its own (q4.h).
 struct QuantizedRows {
-    std::vector<float> row;  // one row as float32
     std::vector<int8_t> q;
     std::vector<float> d, s;
     std::vector<int32_t> sum, sum16;
     std::vector<q8_row> rows;
 
-    // halves: also the integer sums of each half block (kquant.h's Q6_K)
+    // halves: also the integer sums of each half block (kquant.h's Q6_K). Rows are independent, so
+    // many (a prefill) are quantized in parallel with the same bits.
     void fill(const at::Tensor& x, int64_t K, const Isa& isa, bool halves = false) {
         const int64_t M = x.numel() / K, kb = K / Q4_BLOCK;
-        row.resize(K), q.resize(M * K), d.resize(M * kb), s.resize(M * kb), sum.resize(M * kb), rows.resize(M);
+        q.resize(M * K), d.resize(M * kb), s.resize(M * kb), sum.resize(M * kb), rows.resize(M);
         if (halves) sum16.resize(2 * M * kb);
-        for (int64_t m = 0; m < M; m++) {
-            isa.quantize(as_float(x, m, K), (int)K, q.data() + m * K, d.data() + m * kb, s.data() + m * kb,
-                         sum.data() + m * kb);
-            rows[m] = {q.data() + m * K, d.data() + m * kb, s.data() + m * kb, sum.data() + m * kb, nullptr};
-            if (!halves) continue;
-            for (int64_t h = 0; h < 2 * kb; h++) {
-                int32_t t = 0;
-                for (int k = 0; k < Q4_BLOCK / 2; k++) t += q[m * K + h * (Q4_BLOCK / 2) + k];
-                sum16[2 * m * kb + h] = t;
+        at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+            std::vector<float> row;  // a bfloat16 row widened
+            for (int64_t m = m0; m < m1; m++) {
+                isa.quantize(as_float(x, m, K, row), (int)K, q.data() + m * K, d.data() + m * kb, s.data() + m * kb,
+                             sum.data() + m * kb);
+                rows[m] = {q.data() + m * K, d.data() + m * kb, s.data() + m * kb, sum.data() + m * kb, nullptr};
+                if (!halves) continue;
+                for (int64_t h = 0; h < 2 * kb; h++) {
+                    int32_t t = 0;
+                    for (int k = 0; k < Q4_BLOCK / 2; k++) t += q[m * K + h * (Q4_BLOCK / 2) + k];
+                    sum16[2 * m * kb + h] = t;
+                }
+                rows[m].sum16 = sum16.data() + 2 * m * kb;
             }
-            rows[m].sum16 = sum16.data() + 2 * m * kb;
-        }
+        });
     }
 
-    const float* as_float(const at::Tensor& x, int64_t m, int64_t K) {
+    static const float* as_float(const at::Tensor& x, int64_t m, int64_t K, std::vector<float>& row) {
         if (x.scalar_type() == at::kFloat) return x.data_ptr<float>() + m * K;
         const uint16_t* h = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + m * K;
+        row.resize(K);
         for (int64_t k = 0; k < K; k++) row[k] = from_bf16(h[k]);
         return row.data();
     }
@@ -136,32 +140,30 @@ void check_input(const at::Tensor& x, const at::Tensor& tiles, int64_t K, const 
     TORCH_CHECK(K % Q4_BLOCK == 0, op, ": K % 32 must be 0");
 }
 
-// x [..., K] times the 4-bit tiles of W [n, K] -> [..., n] in x's dtype.
-at::Tensor linear_on(const at::Tensor& x_in, const at::Tensor& tiles, int64_t n, const Isa& isa) {
-    const int64_t K = x_in.size(-1);
-    check_input(x_in, tiles, K, "q4_linear");
-    TORCH_CHECK(n % Q4_COLS == 0, "q4_linear: n % 16 must be 0");
-    const int64_t kb = K / Q4_BLOCK, nb = n / Q4_COLS;
-    TORCH_CHECK(tiles.numel() == nb * kb * (int64_t)sizeof(q4_tile), "q4_linear: tiles do not match [n, K]");
+// y = x [..., K] W^T for W [n, K] held as tiles of 16 columns, `block_bytes` apart: each row of x
+// quantized once (QuantizedRows), then `block` (q4_block_fn's or kq_block_fn's signature, over a
+// column block's tiles) for rows 16 at a time -> [..., n] in x's dtype. Split over column blocks
+// only: a column's arithmetic is the same whichever thread runs it.
+template <class Block>
+at::Tensor run_columns(const at::Tensor& x_in, const uint8_t* tiles, int64_t n, int64_t block_bytes, Block block,
+                       const Isa& isa, bool halves) {
+    const int64_t K = x_in.size(-1), kb = K / Q4_BLOCK, nb = n / Q4_COLS;
     const at::Tensor x = x_in.contiguous();
     const int64_t M = x.numel() / K;
     thread_local QuantizedRows quantized;  // each row quantized once, before any column is computed
-    quantized.fill(x, K, isa);
-
+    quantized.fill(x, K, isa, halves);
     std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
     shape.back() = n;
     at::Tensor y = at::empty(shape, x_in.options());
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     void* out = y.data_ptr();
-    const q4_tile* w = reinterpret_cast<const q4_tile*>(tiles.data_ptr<uint8_t>());
     const q8_row* rows = quantized.rows.data();
-    // over column blocks only: a column's arithmetic is the same whichever thread runs it
     at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
         float acc[16 * Q4_COLS];
         for (int64_t b = b0; b < b1; b++)
             for (int64_t m0 = 0; m0 < M; m0 += 16) {
                 const int here = (int)std::min<int64_t>(16, M - m0);
-                isa.block(w + b * kb, (int)kb, rows + m0, here, acc, Q4_COLS);
+                block(tiles + b * block_bytes, (int)kb, rows + m0, here, acc, Q4_COLS);
                 for (int m = 0; m < here; m++) {
                     const int64_t at = (m0 + m) * n + b * Q4_COLS;
                     if (bf16)
@@ -173,6 +175,19 @@ at::Tensor linear_on(const at::Tensor& x_in, const at::Tensor& tiles, int64_t n,
             }
     });
     return y;
+}
+
+// x [..., K] times the 4-bit tiles of W [n, K] -> [..., n] in x's dtype.
+at::Tensor linear_on(const at::Tensor& x_in, const at::Tensor& tiles, int64_t n, const Isa& isa) {
+    const int64_t K = x_in.size(-1);
+    check_input(x_in, tiles, K, "q4_linear");
+    TORCH_CHECK(n % Q4_COLS == 0, "q4_linear: n % 16 must be 0");
+    const int64_t kb = K / Q4_BLOCK, nb = n / Q4_COLS, per_block = kb * (int64_t)sizeof(q4_tile);
+    TORCH_CHECK(tiles.numel() == nb * per_block, "q4_linear: tiles do not match [n, K]");
+    auto block = [&](const uint8_t* t, int kb, const q8_row* rows, int M, float* y, long ldy) {
+        isa.block(reinterpret_cast<const q4_tile*>(t), kb, rows, M, y, ldy);
+    };
+    return run_columns(x_in, tiles.data_ptr<uint8_t>(), n, per_block, block, isa, false);
 }
 
 kq_block_fn kq_kernel(const Isa& isa, int64_t type) {
@@ -201,35 +216,7 @@ at::Tensor kq_linear_on(const at::Tensor& x_in, const at::Tensor& tiles, int64_t
                 "kq_linear: K must be whole blocks of the type (32, or 256 for K-quants and IQ4_XS)");
     const int64_t kb = K / Q4_BLOCK, nb = n / KQ_COLS, per_block = kb * kq_block_bytes((int)type);
     TORCH_CHECK(tiles.numel() == nb * per_block, "kq_linear: tiles do not match [n, K] in this type");
-    const at::Tensor x = x_in.contiguous();
-    const int64_t M = x.numel() / K;
-    thread_local QuantizedRows quantized;
-    quantized.fill(x, K, isa, type == KQ_Q6_K);
-
-    std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-    shape.back() = n;
-    at::Tensor y = at::empty(shape, x_in.options());
-    const bool bf16 = x.scalar_type() == at::kBFloat16;
-    void* out = y.data_ptr();
-    const uint8_t* w = tiles.data_ptr<uint8_t>();
-    const q8_row* rows = quantized.rows.data();
-    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {  // over column blocks only, as linear_on
-        float acc[16 * KQ_COLS];
-        for (int64_t b = b0; b < b1; b++)
-            for (int64_t m0 = 0; m0 < M; m0 += 16) {
-                const int here = (int)std::min<int64_t>(16, M - m0);
-                block(w + b * per_block, (int)kb, rows + m0, here, acc, KQ_COLS);
-                for (int m = 0; m < here; m++) {
-                    const int64_t at = (m0 + m) * n + b * KQ_COLS;
-                    if (bf16)
-                        for (int c = 0; c < KQ_COLS; c++)
-                            static_cast<uint16_t*>(out)[at + c] = to_bf16(acc[m * KQ_COLS + c]);
-                    else
-                        std::memcpy(static_cast<float*>(out) + at, acc + m * KQ_COLS, sizeof(float) * KQ_COLS);
-                }
-            }
-    });
-    return y;
+    return run_columns(x_in, tiles.data_ptr<uint8_t>(), n, per_block, block, isa, type == KQ_Q6_K);
 }
 
 // Rows `ids` of W [n, K] from its tiles (q4.h's for type 3, kquant.h's for GGUF types 8, 12..14)
