@@ -59,10 +59,17 @@ class QuantRows:
 
     @staticmethod
     def from_blocks(type_name: str, data, rows: int, cols: int) -> "QuantRows":
-        """A tensor's bytes as gguf's reader gives them (a numpy view of the file) -> QuantRows."""
+        """A tensor's bytes as gguf's reader gives them (a read-only numpy view of the file) ->
+        QuantRows over the same bytes, not a copy: only the tiles packed from them are held once a
+        model is built, and while it is built the file's pages are the page cache's."""
+        import warnings
+
         import numpy as np
 
-        return QuantRows(type_name, torch.from_numpy(np.array(data, dtype=np.uint8)).view(rows, -1), cols)
+        with warnings.catch_warnings():  # read-only: nothing here writes to the blocks
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(np.asarray(data).view(np.uint8))
+        return QuantRows(type_name, raw.view(rows, -1), cols)
 
 
 def has_blocks(layers: list[dict]) -> bool:
@@ -181,8 +188,29 @@ def _bytes(t: Tensor) -> Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def _bit_planes(bits: Tensor, width: int, dim: int) -> Tensor:
+    """OR together the values along `dim` (small integers), the j-th shifted left by width * j: a byte
+    of bit fields, in uint8 throughout (no wider temporaries beside a big matrix)."""
+    out = bits.select(dim, 0).clone()
+    for j in range(1, bits.shape[dim]):
+        out |= bits.select(dim, j) << (width * j)
+    return out
+
+
+PACK_ROWS = 2048  # rows packed at a time: a big head's temporaries stay tens of MB
+
+
 def pack(m: QuantRows) -> Tensor:
-    """The kernel's tiles, uint8 [rows / 16, bytes a column block] (kernels/kquant.h)."""
+    """The kernel's tiles, uint8 [rows / 16, bytes a column block] (kernels/kquant.h), packed a
+    slice of rows at a time."""
+    tiles = torch.empty(m.rows // COLS, m.cols // 32 * TILE_BYTES[m.type], dtype=torch.uint8)
+    for lo in range(0, m.rows, PACK_ROWS):
+        part = QuantRows(m.type, m.raw[lo:lo + PACK_ROWS], m.cols)
+        tiles[lo // COLS:(lo + part.rows) // COLS] = _pack(part)
+    return tiles
+
+
+def _pack(m: QuantRows) -> Tensor:
     N, K = m.shape
     p, nb, kb, ns = decode(m), N // COLS, K // 32, K // 256
 
@@ -192,8 +220,7 @@ def pack(m: QuantRows) -> Tensor:
     if m.type in ("Q5_0", "Q5_1", "IQ4_NL"):
         parts = [_nibbles(p["i"] if m.type == "IQ4_NL" else p["u"], N, K)]
         if m.type != "IQ4_NL":  # bit 4 of operand i at bit i of its byte
-            bits = (_operands(p["u"], N, K) >> 4).to(torch.int32)
-            parts.append((bits << torch.arange(8, dtype=torch.int32).view(8, 1, 1)).sum(2).to(torch.uint8).reshape(nb, kb, 64))
+            parts.append(_bit_planes(_operands(p["u"], N, K) >> 4, 1, 2).reshape(nb, kb, 64))
         parts.append(half_bytes(p["d"], kb))
         if m.type == "Q5_1":
             parts.append(half_bytes(p["m"], kb))
@@ -209,17 +236,13 @@ def pack(m: QuantRows) -> Tensor:
     nibbles = _nibbles(p["u"], N, K).view(nb, ns, 8 * 256)
     d = _bytes(_columns(p["d"], N).to(torch.float16)).view(nb, ns, 32)
     if m.type == "Q6_K":  # bits 4..5 of operand i at bits 2 (i % 4) of half i // 4's byte
-        bits = (_operands(p["u"], N, K) >> 4).reshape(nb, kb, 2, 4, COLS, 4).to(torch.int32)
-        shifts = (2 * torch.arange(4, dtype=torch.int32)).view(4, 1, 1)
-        high = (bits << shifts).sum(3).to(torch.uint8).reshape(nb, ns, 8 * 2 * 64)
+        high = _bit_planes((_operands(p["u"], N, K) >> 4).reshape(nb, kb, 2, 4, COLS, 4), 2, 3).reshape(nb, ns, 8 * 2 * 64)
         sc = _bytes(_columns(p["sc"], N)).view(nb, ns, 16 * COLS)
         return torch.cat([nibbles, high, sc, d], -1).reshape(nb, -1)
     parts = [nibbles, _columns(p["sc"], N).reshape(nb, ns, 8 * COLS), _columns(p["m"], N).reshape(nb, ns, 8 * COLS), d,
              _bytes(_columns(p["dmin"], N).to(torch.float16)).view(nb, ns, 32)]
     if m.type == "Q5_K":  # bit 4 of operand i at bit i of its byte
-        bits = (_operands(p["u"], N, K) >> 4).to(torch.int32)
-        high = (bits << torch.arange(8, dtype=torch.int32).view(8, 1, 1)).sum(2).to(torch.uint8)
-        parts.append(high.reshape(nb, ns, 8 * 64))
+        parts.append(_bit_planes(_operands(p["u"], N, K) >> 4, 1, 2).reshape(nb, ns, 8 * 64))
     return torch.cat(parts, -1).reshape(nb, -1)
 
 
@@ -318,4 +341,5 @@ def head_on_tiles(ck) -> tuple[object, Linear | None]:
     if ck.head is not None:
         own = on_tiles(ck.embed) if isinstance(ck.embed, QuantRows) else None
         embed = own[1] if own is not None else float_embedding(ck.embed)
+    memory_plan.page_out([m.raw for m in (ck.head, ck.embed) if isinstance(m, QuantRows)])  # packed now
     return embed, head

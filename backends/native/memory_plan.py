@@ -155,6 +155,28 @@ def return_freed_memory() -> None:
         pass
 
 
+MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now; a file's clean pages are read again if touched
+
+
+def page_out(buffers) -> None:
+    """Ask the kernel to reclaim the pages under these buffers (objects with data_ptr() and nbytes, a
+    GGUF's blocks mapped from the file, once packed into tiles), so that a load's resident memory
+    stays near what it keeps rather than that plus the file. Never destructive (not DONTNEED): a
+    buffer still in use is read back; where the call is not known, nothing happens."""
+    import ctypes
+    import mmap
+
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return
+    for b in buffers:
+        start = b.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+        end = b.data_ptr() + b.nbytes
+        if end > start:
+            madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT)
+
+
 def held_bytes(model) -> dict[str, int]:
     """Bytes of the distinct tensors a built `Transformer` holds, by part: `layers` (their weights,
     int4 packs and dense copies), `embed`, `head` (with the argmax head's int8 copy), `other`

@@ -29,7 +29,7 @@ from .int4 import Int4Rows, Matrix, int4_linear, quantize_layer
 from .kquant import QuantRows, float_embedding, head_on_tiles, kquant_linear
 from .layers import DecoderLayer, decoder_layer
 from .linear import Linear
-from .memory_plan import DENSE_COPY_MAX_BYTES, return_freed_memory
+from .memory_plan import DENSE_COPY_MAX_BYTES, page_out, return_freed_memory
 from .model import Transformer
 from .moe_weights import MOE_MARKERS, TensorReader, build_moe, is_expert_tensor, moe_layer_names, read_moe_layer
 
@@ -375,6 +375,7 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
             layers.append(recurrent_layer(ck.cfg, build_recurrent_layer(layer, dtype, int4, device, moe))
                           if ck.cfg.is_linear(i) else decoder_layer(ck.cfg, build_layer(layer, dtype, int4, device,
                                                                                         dense_copy, moe)))
+            page_out([m.raw for m in layer.values() if isinstance(m, QuantRows)])  # packed: the file's pages go
             del layer
             return_freed_memory()  # the layer's float32 temporaries: else they stay resident as free heap
             advance()
