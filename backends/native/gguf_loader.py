@@ -24,7 +24,9 @@ import torch
 from ..base import BackendError
 from .config import ModelConfig
 from .int4 import Int4Rows
-from .kquant import TYPES as KQUANT_TYPES, QuantRows
+from .kquant import Q4_TYPES, TYPES, QuantRows
+
+KQUANT_TYPES = tuple(TYPES)
 from .weights import Checkpoint, progress, refuse_unknown
 from ..derived_files import derived_path
 from ..weight_files import BrokenWeightFile, gguf_reader
@@ -172,22 +174,6 @@ def config_from_gguf(index: GgufIndex, source: str = "the GGUF") -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names, arch=arch)
 
 
-def _int4_rows(t) -> Int4Rows:
-    """Q4_0 / Q4_1 blocks -> Int4Rows. A block holds 32 weights: fp16 d, (fp16 m,) 16 bytes of
-    nibbles where the low nibbles are weights 0..15 and the high nibbles weights 16..31."""
-    n_out = int(t.shape[1])
-    raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).view(n_out, -1)
-    has_min = t.tensor_type.name == "Q4_1"
-    blocks = raw.view(n_out, -1, 20 if has_min else 18)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
-    qs = blocks[..., 4:20] if has_min else blocks[..., 2:18]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n_out, -1)
-    if has_min:
-        m = blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
-        return Int4Rows(q, d, m + 8 * d)
-    return Int4Rows(q, d, torch.zeros_like(d))
-
-
 def _dense(t) -> torch.Tensor:
     shape = tuple(int(s) for s in reversed(t.shape))
     if t.tensor_type.name == "Q8_0":  # most embeddings: in torch, ~5x faster than gguf's numpy
@@ -213,13 +199,13 @@ def load_gguf(path: Path, keep_int4: bool = False, cache_dir: Path | None = None
     index = read_index(path, cache_dir)
     cfg = config_from_gguf(index, str(path))
     tensors = index.tensors
-    int4_types = ("Q4_0", "Q4_1")
+    int4_types = tuple(Q4_TYPES)  # as the file's blocks too, decoded to Int4Rows as each layer is built
 
     def load(name: str, matrix: bool = False, embedding: bool = False):
         t = tensors[name]
-        if matrix and keep_int4 and t.tensor_type.name in int4_types and not embedding:
-            return _int4_rows(t)
-        if matrix and keep_int4 and t.tensor_type.name in KQUANT_TYPES and len(t.shape) == 2:
+        if embedding and t.tensor_type.name in int4_types:
+            return _dense(t)
+        if matrix and keep_int4 and t.tensor_type.name in KQUANT_TYPES + int4_types and len(t.shape) == 2:
             return QuantRows.from_blocks(t.tensor_type.name, t.data, int(t.shape[1]), int(t.shape[0]))
         return _dense(t)
 

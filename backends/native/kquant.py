@@ -25,6 +25,8 @@ TYPES = {"Q8_0": (8, 34, 32), "Q4_K": (12, 144, 256), "Q5_K": (13, 176, 256), "Q
 # tile bytes per 16 columns x 32 inputs (kquant.h's structs, a super-block's share for K-quants)
 TILE_BYTES = {t: int(memory_plan.TILE_BYTES[t] * 512) for t in TYPES}
 COLS = 16
+# Q4_0 / Q4_1: kept as the file's blocks until their layer is built, then the 4-bit kernel's Int4Rows
+Q4_TYPES = {"Q4_0": (2, 18, 32), "Q4_1": (3, 20, 32)}
 # ggml's kvalues_iq4nl: the weight an IQ4 index stands for, before the block's scale
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
@@ -50,8 +52,21 @@ class QuantRows:
         return QuantRows(self.type, self.raw[index], self.cols)
 
     def dequantize(self) -> Tensor:
-        """float32 [rows, cols], from the blocks' integers and factors (bit for bit gguf's dequantize)."""
-        return dequantize(self)
+        """float32 [rows, cols], from the blocks' integers and factors (bit for bit gguf's dequantize;
+        Q4 as Int4Rows dequantizes)."""
+        return self.as_int4().dequantize() if self.type in Q4_TYPES else dequantize(self)
+
+    def as_int4(self) -> Int4Rows:
+        """Q4_0 / Q4_1 blocks -> Int4Rows. A block holds 32 weights: fp16 d, (fp16 m,) 16 bytes of
+        nibbles where the low nibbles are weights 0..15 and the high nibbles weights 16..31."""
+        has_min = self.type == "Q4_1"
+        blocks = self.raw.view(self.rows, -1, 20 if has_min else 18)
+        d = _half(blocks[..., 0:2])
+        qs = blocks[..., 4:20] if has_min else blocks[..., 2:18]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(self.rows, -1)
+        if has_min:
+            return Int4Rows(q, d, _half(blocks[..., 2:4]) + 8 * d)
+        return Int4Rows(q, d, torch.zeros_like(d))
 
     @staticmethod
     def cat(parts: list["QuantRows"]) -> "QuantRows":
@@ -72,6 +87,15 @@ class QuantRows:
         return QuantRows(type_name, raw.view(rows, -1), cols)
 
 
+def is_q4(m) -> bool:
+    return isinstance(m, QuantRows) and m.type in Q4_TYPES
+
+
+def as_int4(m):
+    """A Q4 QuantRows as Int4Rows (decoded now, its layer being built); anything else as it is."""
+    return m.as_int4() if is_q4(m) else m
+
+
 def has_blocks(layers: list[dict]) -> bool:
     """Whether a checkpoint's layers hold blocks for specchat's kernels (Q4_0/Q4_1, Q8_0, K-quants)."""
     return any(isinstance(m, (Int4Rows, QuantRows)) for layer in layers for m in layer.values())
@@ -87,7 +111,7 @@ def _half(b: Tensor) -> Tensor:
 
 
 def _blocks(m: QuantRows) -> Tensor:
-    _, size, n = TYPES[m.type]
+    _, size, n = TYPES[m.type] if m.type in TYPES else Q4_TYPES[m.type]
     return m.raw.view(m.rows, m.cols // n, size)
 
 
@@ -332,7 +356,8 @@ def head_on_tiles(ck) -> tuple[object, Linear | None]:
     the head is big (memory_plan.HEAD_FLOAT_MAX_BYTES) and its blocks fit the tiles; else (None,
     None). An untied embedding gets tiles of its own where its type has them, else it is float32."""
     source = ck.head if ck.head is not None else ck.embed
-    if not isinstance(source, QuantRows) or 4 * source.shape[0] * source.shape[1] <= memory_plan.HEAD_FLOAT_MAX_BYTES:
+    if not isinstance(source, QuantRows) or is_q4(source) or \
+            4 * source.rows * source.cols <= memory_plan.HEAD_FLOAT_MAX_BYTES:
         return None, None
     tied = on_tiles(source)
     if tied is None:

@@ -26,7 +26,7 @@ from . import argmax_head
 from .config import COMPLETE, ModelConfig, MoeShape, read_hf_config
 from .gated_delta import recurrent_layer
 from .int4 import Int4Rows, Matrix, int4_linear, quantize_layer
-from .kquant import QuantRows, float_embedding, head_on_tiles, kquant_linear
+from .kquant import QuantRows, as_int4, float_embedding, head_on_tiles, is_q4, kquant_linear
 from .layers import DecoderLayer, decoder_layer
 from .linear import Linear
 from .memory_plan import DENSE_COPY_MAX_BYTES, page_out, return_freed_memory
@@ -265,6 +265,7 @@ def _linear(parts: list[Matrix], biases: list[Tensor | None], dtype: torch.dtype
     if any(b is not None for b in biases):
         bias = torch.cat([b if b is not None else torch.zeros(_rows(p)) for b, p in zip(biases, parts)])
         bias = bias.to(device, dtype)
+    parts = [as_int4(p) for p in parts]  # a GGUF's Q4 blocks, decoded as their layer is built
     if int4 and all(isinstance(p, Int4Rows) for p in parts):
         return int4_linear(Int4Rows.cat(parts) if len(parts) > 1 else parts[0], bias, dense_copy)
     if int4 and all(isinstance(p, (Int4Rows, QuantRows)) for p in parts):
@@ -341,8 +342,11 @@ COPIED_KEYS = ("q", "k", "v", "o", "gate", "up", "down")  # what build_layer may
 
 def dense_copy_bytes(ck: Checkpoint) -> int:
     """Bytes of the bfloat16 copies of an int4 model's attention layers' matrices (memory_plan.py)."""
-    return sum(2 * m.q.numel() for i, layer in enumerate(ck.layers) if not ck.cfg.is_linear(i)
-               for k, m in layer.items() if k in COPIED_KEYS and isinstance(m, Int4Rows))
+    def q4_weights(m) -> int:  # Int4Rows, or a GGUF's Q4 blocks not decoded yet
+        return m.q.numel() if isinstance(m, Int4Rows) else m.rows * m.cols if is_q4(m) else 0
+
+    return sum(2 * q4_weights(m) for i, layer in enumerate(ck.layers) if not ck.cfg.is_linear(i)
+               for k, m in layer.items() if k in COPIED_KEYS)
 
 
 def _float_head(weight: Matrix, dtype: torch.dtype, int4: bool, device: torch.device) -> Linear:

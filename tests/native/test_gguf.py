@@ -62,7 +62,9 @@ def test_q8_0_blocks_dequantize_as_the_gguf_library_does(tiny_ggufs):
 def test_q4_blocks_are_kept_exactly(tiny_ggufs):
     dense = load_gguf(tiny_ggufs["Q4_1"])
     int4 = load_gguf(tiny_ggufs["Q4_1"], keep_int4=True)
-    q = int4.layers[0]["q"]
+    blocks = int4.layers[0]["q"]  # the file's blocks, decoded when the layer is built
+    assert isinstance(blocks, QuantRows) and blocks.type == "Q4_1"
+    q = blocks.as_int4()
     assert isinstance(q, Int4Rows) and q.q.max() <= 15
     assert torch.allclose(q.dequantize(), dense.layers[0]["q"], atol=1e-6)
 
@@ -70,7 +72,7 @@ def test_q4_blocks_are_kept_exactly(tiny_ggufs):
 def test_int4_kernel_computes_the_q4_weights(tiny_ggufs):
     from specchat.backends.native.weights import _linear
 
-    w = load_gguf(tiny_ggufs["Q4_1"], keep_int4=True).layers[1]["gate"]
+    w = load_gguf(tiny_ggufs["Q4_1"], keep_int4=True).layers[1]["gate"].as_int4()
     linear = _linear([w], [None], torch.bfloat16, int4=True, device=torch.device("cpu"))
     assert linear.quantized
     x = torch.randn(5, w.q.shape[1]).to(torch.bfloat16)
