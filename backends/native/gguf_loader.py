@@ -1,8 +1,9 @@
 """Reading a GGUF file into a `Checkpoint`.
 
-Tensors are dequantized to float32 with the `gguf` package, except Q4_0/Q4_1 matrices when
-`keep_int4` is set: those stay as 4-bit groups (`Int4Rows`) for torch's int4 kernel, so the
-engine runs the very weights llama.cpp runs. llama.cpp's converter permutes the rows of Q and K
+Tensors are dequantized to float32 with the `gguf` package, except matrices of the types specchat's
+kernels run (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) when `keep_int4` is set:
+those stay the file's blocks (`kquant.QuantRows`, views of the file) until their layer is built on
+the kernels, so the engine runs the very weights llama.cpp runs, in about the file's memory. llama.cpp's converter permutes the rows of Q and K
 for llama-arch models (interleaved RoPE); we undo that to get the Hugging Face layout.
 
 `gguf.GGUFReader` parses every metadata field, tokenizer vocabulary and merges included, which
@@ -25,11 +26,11 @@ from ..base import BackendError
 from .config import ModelConfig
 from .int4 import Int4Rows
 from .kquant import Q4_TYPES, TYPES, QuantRows
-
-KQUANT_TYPES = tuple(TYPES)
 from .weights import Checkpoint, progress, refuse_unknown
 from ..derived_files import derived_path
 from ..weight_files import BrokenWeightFile, gguf_reader
+
+KQUANT_TYPES = tuple(TYPES)  # kept as the file's blocks for specchat's kernels (kquant.py)
 
 _LAYER_NAMES = {
     "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",

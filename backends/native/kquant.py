@@ -1,12 +1,14 @@
-"""GGUF's Q8_0 and K-quant matrices (Q4_K, Q5_K, Q6_K) kept in their own blocks, and repacked once
-into the tiles of specchat's kernel (kernels/kquant.h), as ggml's CPU "repack" buffers do: the
-engine holds about the file's bytes (4.625 bits a weight for Q4_K's 4.5, Q5_K 5.625 for 5.5, Q6_K
-and Q8_0 exactly the file's), never a float copy, and every row of a verify block has its one-row
-bits (tests/native/test_kquant_kernel.py).
+"""GGUF's quantized matrices kept in their own blocks (`QuantRows`, views of the file) and repacked
+once into the tiles of specchat's kernels (kernels/kquant.h; Q4_0 / Q4_1 through Int4Rows into
+q4.h's), as ggml's CPU "repack" buffers do: Q8_0, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K and IQ4_XS.
+The engine holds about the file's bytes (4.625 bits a weight for Q4_K's 4.5, 5.625 for Q5_K's
+5.5, the file's own for the others), never a float copy, and every row of a verify block has its
+one-row bits (tests/native/test_kquant_kernel.py). A big head runs on the same tiles and the
+embedding is read from them (`head_on_tiles`, `TileEmbedding`).
 
 The block layouts are ggml's (ggml-common.h; ../shared/reference/gguf-kquants-trees-dspark.md §1);
-each decoder below returns the blocks' integers and factors, from which `dequantize` rebuilds the
-weights exactly as gguf's own `dequantize` does (tested), and `pack` the tiles.
+`decode` returns the blocks' integers and factors, from which `dequantize` rebuilds the weights
+exactly as gguf's own `dequantize` does (tested), and `pack` the tiles.
 """
 from __future__ import annotations
 

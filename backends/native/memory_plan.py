@@ -1,6 +1,7 @@
-"""What the torch engine holds for a safetensors checkpoint loaded with `dtype: int4`: the plan from
-tensor names and shapes alone (specchat/weight_memory.py's estimate, before anything is loaded;
-torch is not imported here), and the count of what a built model holds, to check the plan by.
+"""What the torch engine holds for a safetensors checkpoint loaded with `dtype: int4`, and for a
+GGUF on specchat's kernels (`gguf_bytes`, at the end): the plan from tensor names and shapes alone
+(specchat/weight_memory.py's estimate, before anything is loaded; torch is not imported here), and
+the count of what a built model holds, to check the plan by.
 
 The rule (weights.load_hf_dir, build_model): every decoder-layer matrix the 4-bit kernels take
 (`Int4Rows.fits`: input a multiple of 32, output of 8) is quantized: attention, dense and shared-

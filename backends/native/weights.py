@@ -2,8 +2,9 @@
 
 Loaders (Hugging Face safetensors here, GGUF in gguf_loader.py) produce a `Checkpoint`: the
 config plus per-layer tensors under short names (q, k, v, o, gate, up, down, norms, biases).
-A matrix is either a float32 tensor or `Int4Rows` (GGUF Q4_0/Q4_1 blocks kept as they are, or a
-checkpoint directory's matrices quantized as they are read for `dtype: int4`: memory_plan.py).
+A matrix is a float32 tensor, `QuantRows` (a GGUF's blocks as the file holds them: kquant.py) or
+`Int4Rows` (a checkpoint directory's matrices quantized as they are read for `dtype: int4`:
+memory_plan.py; a GGUF's Q4 blocks become them as their layer is built).
 `build_model` fuses q/k/v and gate/up into single matmuls and casts to the compute dtype.
 `HF_LAYER_NAMES` is the one map from those short names to Hugging Face tensor names; MTP heads,
 DFlash drafters and the trainers' exports use it too.
