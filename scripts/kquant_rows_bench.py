@@ -1,7 +1,8 @@
 """What a block of rows costs on specchat's kernels, by GGUF weight type: one matrix multiply of
 M = 1, 2, 4, 8, 16 rows, in units of the one-row call, with the weights out of the cache.
 
-    python scripts/kquant_rows_bench.py [--types Q4_0,Q4_K,Q5_K,Q6_K,Q8_0] [--shape 8192x2048] [--threads 2]
+    python scripts/kquant_rows_bench.py [--types Q4_0,Q4_K,Q5_K,Q6_K,Q8_0,IQ4_XS] [--shape 8192x2048] [--threads 2]
+    SPECCHAT_Q4_ISA=avx2 python scripts/kquant_rows_bench.py   # the AVX2 path (same bits, other speed)
 
 Eight different random matrices of the shape are multiplied in turn (about 80-140 MB of tiles, more
 than the last-level cache of the machines here), the best of 10 rounds is kept. A block of rows is
@@ -30,7 +31,7 @@ def random_tiles(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
     rng = np.random.default_rng(seed)
     _, size, per = kquant.TYPES[qtype]
     raw = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
-    where = {"Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[qtype]
+    where = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q5_1": (0, 2), "Q6_K": (208,)}.get(qtype, (0,))  # fp16 factors
     for at in where:  # finite float16 factors
         raw[..., at:at + 2] = rng.uniform(0, 0.01, size=raw.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
     return kquant.pack(kquant.QuantRows(qtype, torch.from_numpy(raw.reshape(n, -1)), k))
@@ -38,7 +39,7 @@ def random_tiles(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--types", default="Q4_0,Q4_K,Q5_K,Q6_K,Q8_0")
+    ap.add_argument("--types", default="Q4_0,Q4_K,Q5_K,Q6_K,Q8_0,IQ4_XS")
     ap.add_argument("--shape", default="8192x2048", help="N x K of each matrix (SmolLM2-1.7B's gate/up)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
