@@ -41,7 +41,7 @@ inline void nibbles(const uint8_t* p, int half, __m256i w[8]) {
 
 struct Q8_0 {
     static constexpr int halves = 1, zero = 128;
-    static constexpr bool has_min = false, wide = true;
+    static constexpr bool has_min = false, wide = true, signed_values = false;
     static constexpr long bytes = sizeof(q8_0_tile);  // a block's share of the tiles
     static void load_block(const uint8_t* tiles, int b, int half, Unpacked& u) {
         const q8_0_tile& t = reinterpret_cast<const q8_0_tile*>(tiles)[b];
@@ -52,7 +52,7 @@ struct Q8_0 {
 
 struct Q4_K {
     static constexpr int halves = 1, zero = 0;
-    static constexpr bool has_min = true, wide = false;
+    static constexpr bool has_min = true, wide = false, signed_values = false;
     static constexpr long bytes = sizeof(q4_k_tile) / KQ_BLOCKS;
     static void load_low(const q4_k_tile& t, int j, int half, Unpacked& u) {
         nibbles(t.nibbles[j], half, u.w);
@@ -87,7 +87,7 @@ struct Q5_K : Q4_K {
 
 struct Q6_K {
     static constexpr int halves = 2, zero = 32;
-    static constexpr bool has_min = false, wide = false;
+    static constexpr bool has_min = false, wide = false, signed_values = false;
     static constexpr long bytes = sizeof(q6_k_tile) / KQ_BLOCKS;
     template <int i>
     static void add_bits(__m256i high, Unpacked& u) {
@@ -108,7 +108,7 @@ struct Q6_K {
 
 struct Q5_0 {
     static constexpr int halves = 1, zero = 16;
-    static constexpr bool has_min = false, wide = false;
+    static constexpr bool has_min = false, wide = false, signed_values = false;
     static constexpr long bytes = sizeof(q5_0_tile);
     static void load_low(const q5_0_tile& t, int half, Unpacked& u) {
         nibbles(t.nibbles, half, u.w);
@@ -131,17 +131,20 @@ struct Q5_1 : Q5_0 {
     }
 };
 
-constexpr uint8_t IQ4_U[16] = {KQ_IQ4_VALUES_U8};
+// IQ4's 16 values themselves, signed (-127..113, never -128): here the dot is taken on them directly,
+// |x| times the values with x's signs (vpsignb), which is exact, so no zero point is taken off; its
+// int32 result is the reference's sum(u q) - 128 sum(q) exactly, at half the wide path's work
+constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// the 16 values' u for each index nibble: a byte shuffle within each 128-bit lane
+// the 16 values for each index nibble: a byte shuffle within each 128-bit lane
 inline void iq4_values(Unpacked& u) {
-    const auto table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_U));
+    const auto table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_VALUES));
     for (int i = 0; i < 8; i++) u.w[i] = _mm256_shuffle_epi8(table, u.w[i]);
 }
 
 struct IQ4_NL {
-    static constexpr int halves = 1, zero = 128;
-    static constexpr bool has_min = false, wide = true;
+    static constexpr int halves = 1, zero = 0;  // signed values (above)
+    static constexpr bool has_min = false, wide = false, signed_values = true;
     static constexpr long bytes = sizeof(iq4_nl_tile);
     static void load_block(const uint8_t* tiles, int b, int half, Unpacked& u) {
         const iq4_nl_tile& t = reinterpret_cast<const iq4_nl_tile*>(tiles)[b];
@@ -152,8 +155,8 @@ struct IQ4_NL {
 };
 
 struct IQ4_XS {
-    static constexpr int halves = 1, zero = 128;
-    static constexpr bool has_min = false, wide = true;
+    static constexpr int halves = 1, zero = 0;  // signed values (above)
+    static constexpr bool has_min = false, wide = false, signed_values = true;
     static constexpr long bytes = sizeof(iq4_xs_tile) / KQ_BLOCKS;
     static void load_block(const uint8_t* tiles, int b, int half, Unpacked& u) {
         const iq4_xs_tile& t = reinterpret_cast<const iq4_xs_tile*>(tiles)[b / KQ_BLOCKS];
@@ -164,13 +167,16 @@ struct IQ4_XS {
 };
 
 // sum over operands i0 .. i0 + n - 1 of w[i] . x (4 products a lane), exact in int32
-template <bool wide, int i0, int n>
+template <bool wide, bool signed_values, int i0, int n>
 inline __m256i dot(const Unpacked& u, const int8_t* q) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
     for (int i = i0; i < i0 + n; i++) {
         const __m256i x = _mm256_set1_epi32(*(const int32_t*)(q + 4 * i));
-        if (wide) {
+        if (signed_values) {  // |x| (x is -127..127) times w with x's sign: pairs at most 2 * 127 * 127
+            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(u.w[i], x));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+        } else if (wide) {
             const __m256i low7 = _mm256_and_si256(u.w[i], _mm256_set1_epi8(0x7F));
             const __m256i top = _mm256_and_si256(_mm256_srli_epi16(u.w[i], 7), _mm256_set1_epi8(1));
             s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(low7, x), ones));
@@ -196,12 +202,12 @@ void rows_avx2(const uint8_t* tiles, int kb, const q8_row* rows, int half, float
             const int8_t* q = x.q + b * Q4_BLOCK;
             const __m256 d = _mm256_set1_ps(x.d[b]);
             if (T::halves == 1) {
-                __m256i s = dot<T::wide, 0, 8>(u, q);
+                __m256i s = dot<T::wide, T::signed_values, 0, 8>(u, q);
                 if (T::zero) s = _mm256_sub_epi32(s, _mm256_set1_epi32(T::zero * x.sum[b]));
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(u.scale[0], d), acc[m]);
             } else {
-                const __m256i lo = _mm256_sub_epi32(dot<T::wide, 0, 4>(u, q), _mm256_set1_epi32(T::zero * x.sum16[2 * b]));
-                const __m256i hi = _mm256_sub_epi32(dot<T::wide, 4, 4>(u, q), _mm256_set1_epi32(T::zero * x.sum16[2 * b + 1]));
+                const __m256i lo = _mm256_sub_epi32(dot<T::wide, T::signed_values, 0, 4>(u, q), _mm256_set1_epi32(T::zero * x.sum16[2 * b]));
+                const __m256i hi = _mm256_sub_epi32(dot<T::wide, T::signed_values, 4, 4>(u, q), _mm256_set1_epi32(T::zero * x.sum16[2 * b + 1]));
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(u.scale[0], d), acc[m]);
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(u.scale[1], d), acc[m]);
             }
