@@ -41,11 +41,8 @@ def held_weights(path: Path) -> dict:
 def peak_rss(path: Path, profile: str) -> int:
     """Peak resident bytes of a 32-token `specchat run` of `profile` on the file (eager for the native engine)."""
     cmd = ["/usr/bin/time", "-f", "%M", "specchat", "run", "-m", str(path), "-p", profile, "--set", "compile=false",
-           "--set", "context=1024", "--max-tokens", "32", "--no-history", "Tell me about bicycles."]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode:  # --no-history is newer than some checkouts
-        cmd.remove("--no-history")
-        out = subprocess.run(cmd, capture_output=True, text=True)
+           "--set", "context=1024", "--max-tokens", "32", "Tell me about bicycles."]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return int(out.stderr.strip().splitlines()[-1]) * 1024
 
 

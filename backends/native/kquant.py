@@ -22,13 +22,14 @@ from .int4 import Int4Rows
 from .linear import Q4_TILES, Linear
 
 # GGUF type id (ggml.h's ggml_type) and the bytes and weights of one block in the file
-TYPES = {"Q8_0": (8, 34, 32), "Q4_K": (12, 144, 256), "Q5_K": (13, 176, 256), "Q6_K": (14, 210, 256),
-         "Q5_0": (6, 22, 32), "Q5_1": (7, 24, 32), "IQ4_NL": (20, 18, 32), "IQ4_XS": (23, 136, 256)}
+TYPES = {name: (type_id, size, memory_plan.BLOCK_INPUTS[name]) for name, type_id, size in (
+    ("Q8_0", 8, 34), ("Q4_K", 12, 144), ("Q5_K", 13, 176), ("Q6_K", 14, 210), ("Q5_0", 6, 22), ("Q5_1", 7, 24),
+    ("IQ4_NL", 20, 18), ("IQ4_XS", 23, 136))}
 # tile bytes per 16 columns x 32 inputs (kquant.h's structs, a super-block's share for K-quants)
 TILE_BYTES = {t: int(memory_plan.TILE_BYTES[t] * 512) for t in TYPES}
 COLS = 16
 # Q4_0 / Q4_1: kept as the file's blocks until their layer is built, then the 4-bit kernel's Int4Rows
-Q4_TYPES = {"Q4_0": (2, 18, 32), "Q4_1": (3, 20, 32)}
+Q4_TYPES = {"Q4_0": (2, 18, 32), "Q4_1": (3, 20, 32)}  # (memory_plan.Q4_TYPES)
 # ggml's kvalues_iq4nl: the weight an IQ4 index stands for, before the block's scale
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 

@@ -34,8 +34,8 @@ TILE_BYTES = {"Q4_0": 320 / 512, "Q4_1": 320 / 512, "Q8_0": 544 / 512, "Q4_K": 2
               "Q6_K": 3360 / 4096, "Q5_0": 352 / 512, "Q5_1": 384 / 512, "IQ4_NL": 288 / 512, "IQ4_XS": 2208 / 4096}
 BLOCK_INPUTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q5_0": 32, "Q5_1": 32,
                 "IQ4_NL": 32, "IQ4_XS": 256}
-GGUF_MATRICES = re.compile(r"blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
-GGUF_COPIED = re.compile(r"blk\.\d+\.(?:attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
+Q4_TYPES = ("Q4_0", "Q4_1")  # Int4Rows on the 4-bit kernel: the bfloat16 copy, never the head's tiles
+GGUF_MATRICES = re.compile(r"blk\.\d+\.(?:attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
 
 INT4_BYTES = 0.625  # a weight: 4 bits, plus a 16-bit scale and offset per 32 (q4_kernel.pack, torch's pack)
 HEAD_ROW_BYTES = 14  # the argmax head's per-token scale (bfloat16 and float32) and two float32 norms
@@ -112,7 +112,7 @@ def gguf_bytes(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> int:
         if GGUF_MATRICES.fullmatch(name):
             if tiles_fit(qtype, rows, inputs):
                 total += TILE_BYTES[qtype] * n
-                copies += 2 * n if qtype in ("Q4_0", "Q4_1") else 0
+                copies += 2 * n if qtype in Q4_TYPES else 0
             else:
                 total += 2 * n
         elif name not in ("token_embd.weight", "output.weight"):
@@ -122,12 +122,11 @@ def gguf_bytes(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> int:
     if source is not None:
         qtype, shape = source
         rows, inputs = shape[-1], shape[0]
-        if 4 * rows * inputs > HEAD_FLOAT_MAX_BYTES and qtype in TILE_BYTES and qtype not in ("Q4_0", "Q4_1") \
-                and tiles_fit(qtype, rows, inputs):
+        if 4 * rows * inputs > HEAD_FLOAT_MAX_BYTES and qtype not in Q4_TYPES and tiles_fit(qtype, rows, inputs):
             total += TILE_BYTES[qtype] * rows * inputs
             if head is not None and embed is not None:  # an untied embedding: its own tiles, else float32
                 e_type, e_shape = embed
-                fit = e_type not in ("Q4_0", "Q4_1") and tiles_fit(e_type, e_shape[-1], e_shape[0])
+                fit = e_type not in Q4_TYPES and tiles_fit(e_type, e_shape[-1], e_shape[0])
                 total += (TILE_BYTES[e_type] if fit else 4) * math.prod(e_shape)
         else:
             total += head_bytes((rows, inputs)) + (4 * math.prod(embed[1]) if head is not None and embed else 0)
