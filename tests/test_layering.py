@@ -1,6 +1,7 @@
-"""The code's structure, checked: engines never import the app, no import cycles (function-level
-imports included), no private names imported across modules, every package installed, and no
-module grown past ~400 lines without a stated reason."""
+"""The code's structure, checked: engines never import the app, no import cycles (function-level and
+type-checking-only imports included), the TUI's screens reach the app only through ChatHost, no private
+names imported across modules, every package installed, and no module grown past ~400 lines without a
+stated reason."""
 from __future__ import annotations
 
 import ast
@@ -27,15 +28,14 @@ def modules() -> dict[str, Path]:
 
 
 def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, str, int]]:
-    """(imported project module, imported name or "", line) for every import in the file, at any depth."""
+    """(imported project module, imported name or "", line) for every import in the file, at any depth.
+
+    Imports under `if TYPE_CHECKING:` count too: they never run, but a module that names another's
+    types for its annotations depends on it all the same, and a circle through them is one to untie."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
-                   for stmt in block.body for n in ast.walk(stmt)}  # never run: not an import at run time
     found = []
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             found += [(a.name, "", node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -49,13 +49,7 @@ def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, str, int]
     return found
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def graph() -> dict[str, set[str]]:
-    mods = modules()
+def graph(mods: dict[str, Path]) -> dict[str, set[str]]:
     known = set(mods)
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for name, path in mods.items():
@@ -83,12 +77,11 @@ def test_nothing_imports_the_folders_by_their_source_names():
     assert not wrong, wrong
 
 
-def test_no_import_cycles():
-    edges = graph()
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
-    cycles = []
+    found: list[list[str]] = []
 
     def visit(v: str) -> None:  # Tarjan's strongly connected components
         index[v] = low[v] = len(index)
@@ -107,12 +100,64 @@ def test_no_import_cycles():
                 if w == v:
                     break
             if len(component) > 1:
-                cycles.append(sorted(component))
+                found.append(sorted(component))
 
     for v in edges:
         if v not in index:
             visit(v)
-    assert not cycles, cycles
+    return found
+
+
+def test_no_import_cycles():
+    found = cycles(graph(modules()))
+    assert not found, found
+
+
+def test_a_circle_through_type_checking_or_function_level_imports_is_caught(tmp_path):
+    """The way the TUI's circle once ran: the app imports a screen at the top, the screen imports the
+    app for its type only, or inside a function."""
+    (tmp_path / "app.py").write_text("from pkg.screen import Screen\n")
+    (tmp_path / "screen.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                        "    from pkg.app import App\n")
+    (tmp_path / "late.py").write_text("def open_app():\n    from pkg import app\n")
+    mods = {f"pkg.{p.stem}": p for p in tmp_path.glob("*.py")}
+    assert cycles(graph(mods)) == [["pkg.app", "pkg.screen"]]
+    (tmp_path / "app.py").write_text("from pkg.screen import Screen\nfrom pkg.late import open_app\n")
+    (tmp_path / "screen.py").write_text("")
+    assert cycles(graph(mods)) == [["pkg.app", "pkg.late"]]
+
+
+def names_used_on_the_app(path: Path) -> set[str]:
+    """Every `self.app.X` and `app.X` (the screens' local alias of self.app) in a module."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        v = node.value
+        if (isinstance(v, ast.Name) and v.id == "app") or (
+                isinstance(v, ast.Attribute) and v.attr == "app" and isinstance(v.value, ast.Name) and v.value.id == "self"):
+            used.add(node.attr)
+    return used
+
+
+def host_names() -> set[str]:
+    """The attributes and methods ChatHost (specchat/tui/host.py) declares."""
+    tree = ast.parse((ROOT / "specchat" / "tui" / "host.py").read_text(encoding="utf-8"))
+    host = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ChatHost")
+    return {n.target.id for n in host.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)} | {
+        n.name for n in host.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_the_screens_ask_the_app_only_what_chat_host_declares():
+    """A screen that reached for more of the app than ChatHost (or any Textual App) offers would depend
+    on app.py again without importing it: the interface would stop describing what the screens need."""
+    from textual.app import App
+
+    mods = modules()
+    for screen in ("specchat.tui.chat_screen", "specchat.tui.ab_screen"):
+        assert "specchat.tui.app" not in graph(mods)[screen]
+        extra = names_used_on_the_app(mods[screen]) - host_names() - set(dir(App))
+        assert not extra, f"{screen} uses app.{sorted(extra)}: declare them in ChatHost (specchat/tui/host.py)"
 
 
 def test_no_private_names_across_modules():

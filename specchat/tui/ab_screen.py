@@ -37,7 +37,7 @@ from specchat.tui.ab_sides import Sides, where_replies_part
 from specchat.tui.widgets import ChatInput
 
 if TYPE_CHECKING:
-    from specchat.tui.app import SpecChatApp
+    from specchat.tui.host import HostApp
 
 FRAME_S = 1 / 30
 SEQUENTIAL_NOTE = "sequential: timings don't contend (Ctrl+G: race)"
@@ -45,7 +45,7 @@ RACE_NOTE = "race: both run at once, timings contend (Ctrl+G: sequential)"
 
 
 class ABScreen(Screen):
-    app: "SpecChatApp"
+    app: "HostApp"
 
     BINDINGS = [
         Binding("escape", "stop_or_close", "Stop / back", priority=True),

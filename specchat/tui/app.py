@@ -31,6 +31,8 @@ BACKGROUND_POLL_S = 2.0
 
 
 class SpecChatApp(App):
+    """The screens see it only as a ChatHost (host.py): they never import this module."""
+
     CSS_PATH = "app.tcss"
     TITLE = "specchat"
     COMMANDS = App.COMMANDS | {ProfileCommands}

@@ -25,7 +25,7 @@ from specchat.tui.budget import RenderBudget
 from specchat.tui.widgets import AssistantMessage, ChatInput, StatusBar, UserMessage, draft_sources, origin_legend
 
 if TYPE_CHECKING:
-    from specchat.tui.app import SpecChatApp
+    from specchat.tui.host import HostApp
 
 FRAME_S = 1 / 30  # the UI drains engine events at this rate, never per token
 
@@ -46,7 +46,7 @@ def summary_note(s: Summary) -> str:
 
 
 class ChatScreen(Screen):
-    app: "SpecChatApp"
+    app: "HostApp"
 
     BINDINGS = [
         Binding("escape", "stop", "Stop", priority=True),

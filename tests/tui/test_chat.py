@@ -3,6 +3,7 @@ import pytest
 
 from specchat.history import History
 from specchat.tui.app import SpecChatApp
+from specchat.tui.host import ChatHost
 from specchat.tui.widgets import AssistantMessage, UserMessage
 from tests.scripted import ScriptedBackend
 from tests.tui.conftest import REPLY, Loader, wait_until
@@ -140,3 +141,11 @@ async def test_new_chat_and_system_prompt(profiles_dir):
         await send(pilot, "again")
         await wait_until(pilot, lambda: app.conv.last_reply == "b", what="reply 2")
         assert app.conv.id != first_id
+
+
+async def test_the_app_is_the_chat_host_the_screens_expect(profiles_dir):
+    """The screens see the app only as a ChatHost (specchat/tui/host.py): every name it declares is there."""
+    app, _ = app_with(profiles_dir, spec=ScriptedBackend([REPLY]))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, app)
+        assert isinstance(app, ChatHost)
