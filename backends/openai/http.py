@@ -199,7 +199,12 @@ def _close_on_cancel(cancel: threading.Event, finished: threading.Event, respons
 
 class EventStream:
     """The JSON payloads of a server-sent event stream (parsed by httpx-sse); `done` once the server
-    said `[DONE]`. Events that are not a JSON object (keep-alives, other fields) carry nothing we use."""
+    said `[DONE]`. Events that are not a JSON object (keep-alives, other fields) carry nothing we use.
+
+    httpx-sse rather than our own line loop: it ends lines only at CR / LF / CRLF as the SSE spec says
+    (the loop it replaced split at U+2028 and NEL too, as str.splitlines does, and lost any token that
+    held one) and dispatches an event at its blank line, so a payload over several data lines needs no
+    guessing; under 1 us an event more (scripts/sse_parse_bench.py, docs/servers.md)."""
 
     def __init__(self, response: httpx.Response, where: str = "the server"):
         self.response = response

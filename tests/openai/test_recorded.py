@@ -184,6 +184,20 @@ def test_events_split_over_data_lines_comments_and_keep_alives_are_read_as_serve
     assert list(stream) == [{"a": 1}, {"b": 2}] and stream.done
 
 
+def test_a_token_holding_a_unicode_line_separator_stays_one_event():
+    """Servers write UTF-8 as it is (llama-server does): U+2028 or NEL inside a token ends no SSE line.
+    The hand-written parser split lines as str.splitlines does and lost such a chunk without a word."""
+    import httpx
+
+    from specchat.backends.openai.http import EventStream
+
+    payload = json.dumps({"choices": [{"delta": {"content": "a\u2028b\x85c\x0cd"}}]}, ensure_ascii=False)
+    response = httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=f"data: {payload}\n\ndata: [DONE]\n\n".encode(),
+                              request=httpx.Request("POST", "http://127.0.0.1/v1/chat/completions"))
+    assert [c["choices"][0]["delta"]["content"] for c in EventStream(response)] == ["a\u2028b\x85c\x0cd"]
+
+
 def test_a_model_the_server_does_not_serve_is_named(replay):
     backend = OpenAIBackend(replay.base_url("vllm"), "Qwen/Qwen3-80B")
     with pytest.raises(BackendError, match="has no model 'Qwen/Qwen3-80B' \\(HTTP 404: The model"):
