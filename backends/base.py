@@ -149,8 +149,14 @@ class Summary:
         return (self.tokens - 1) / self.decode_s if self.tokens > 1 and self.decode_s > 0 else 0.0
 
     @property
+    def tokens_per_pass(self) -> float:
+        """Tokens over all target passes, drafted or not: the figure that decides speed."""
+        return self.tokens / self.passes if self.passes else 0.0
+
+    @property
     def mean_accepted(self) -> float:
-        """Mean tokens emitted per verification pass (vLLM's mean acceptance length)."""
+        """Tokens per drafted pass: over the passes that verified a draft only (vLLM's mean
+        acceptance length), so it reads higher than `tokens_per_pass` when some passes drafted nothing."""
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
 
     @property
@@ -164,7 +170,8 @@ class Summary:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(decode_tok_s=self.decode_tok_s, mean_accepted=self.mean_accepted,
+        d.update(decode_tok_s=self.decode_tok_s, tokens_per_pass=self.tokens_per_pass if self.spec_reported else None,
+                 mean_accepted=self.mean_accepted,
                  acceptance_rate=self.acceptance_rate, acceptance_by_position=self.acceptance_by_position)
         return d
 

@@ -51,6 +51,7 @@ class ProfileResult:
         return statistics.median(vals) if vals else 0.0
 
     def mean_accepted(self, task: Optional[str] = None) -> float:
+        """Tokens per drafted pass (Summary.mean_accepted over these runs)."""
         subs = self.subset(task)
         drafts = sum(s.drafts for s in subs)
         return 1.0 + sum(s.accepted_tokens for s in subs) / drafts if drafts else 1.0
@@ -303,11 +304,11 @@ def render(results: list[ProfileResult]):
     repeat = repeat_of(results)
     runs = (f"each prompt run {repeat} times, its median-tok/s run kept · " if repeat > 1 else "")
     main = compact_table(title, runs + ("method (backend), as the backends differ · " if len(backends) > 1 else "") +
-                         "acc: tokens per pass that verified a draft · t/pass: tokens per target pass · "
+                         "t/pass: tokens per target pass · t/dp: tokens per drafted pass (one that verified a draft) · "
                          "speed-up: decode tok/s over its target-only reference's, same run")
     main.add_column("profile", no_wrap=True)
     main.add_column("method")  # the one column that wraps, at its spaces: "mtp:3 +lookup:4 (torch)"
-    for col in ("tok/s", "TTFT", "acc", "t/pass", "speed-up"):
+    for col in ("tok/s", "TTFT", "t/pass", "t/dp", "speed-up"):
         main.add_column(col, justify="right", no_wrap=True)
     for r in results:
         sp = speedup(results, r)
@@ -327,8 +328,8 @@ def render(results: list[ProfileResult]):
         if len(backends) > 1:
             method += f" ({r.profile.backend})"
         main.add_row(r.label, method, tok_s(r.decode_tok_s()),
-                     ttft(r.ttft_s()), f"{r.mean_accepted():.2f}" if speculated else "-",
-                     f"{per_pass:.2f}" if per_pass else "-", f"{sp:.2f}x" if sp else "-")
+                     ttft(r.ttft_s()), f"{per_pass:.2f}" if per_pass else "-",
+                     f"{r.mean_accepted():.2f}" if speculated else "-", f"{sp:.2f}x" if sp else "-")
     tasks = tasks_of(results)
     warmth = memory_lines(results) + load_lines(results) + [f"{r.label}: {r.caveat}" for r in results if r.caveat]
     if len(tasks) < 2:

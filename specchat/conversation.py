@@ -34,6 +34,7 @@ class Conversation:
         # the first message the model still sees; earlier ones were left out to fit the context
         # (context_window.py), and stay here and in history
         self.context_start = 0
+        self.keeping = True  # written to history (off while a `history: false` profile runs)
 
     def _save(self, fn: Callable[[], object]) -> object:
         if self.history is None:
@@ -46,7 +47,7 @@ class Conversation:
             return None
 
     def _ensure_row(self) -> None:
-        if self.id is None and self.history is not None:
+        if self.id is None and self.history is not None and self.keeping:
             def create():
                 self.id = self.history.new_conversation(self.profile, self.system)
             self._save(create)
@@ -57,7 +58,7 @@ class Conversation:
         self.version += 1
         self._ensure_row()
         saved = None
-        if self.id is not None:
+        if self.id is not None and self.keeping:
             saved = self._save(lambda: self.history.add_message(self.id, role, content, profile or self.profile, stats))
         self.ids.append(saved)
         return saved
@@ -95,8 +96,11 @@ class Conversation:
         if self.id is not None:
             self._save(lambda: self.history.set_system(self.id, self.system))
 
-    def set_profile(self, profile: str) -> None:
+    def set_profile(self, profile: str, keep: bool = True) -> None:
+        """The profile the next messages come from; `keep` False (its `history: false`): they stay
+        in memory only, never written."""
         self.profile = profile
+        self.keeping = keep
         if self.id is not None:
             self._save(lambda: self.history.set_profile(self.id, profile))
 

@@ -3,7 +3,7 @@
 More depth is not always more speed: each extra drafted token must be accepted often enough to
 pay for drafting and verifying it. The ladder loads the model once, and for every prompt runs
 target-only and then each depth in turn (so a slow spell of a shared machine hits every rung
-alike), and reports per depth: mean accepted tokens per pass, acceptance by position, decode
+alike), and reports per depth: tokens per pass and per drafted pass, acceptance by position, decode
 tok/s, speed-up and what a drafted pass costs in target-only steps, with the best depth and where
 the plateau starts.
 """
@@ -17,7 +17,7 @@ from specchat.bench import ProfileResult, Run, run_one, speedup, warm_up
 from specchat.profiles import Profile
 from specchat.prompts import PromptItem
 
-PLATEAU_GAIN = 0.1  # a rung adding fewer accepted tokens per pass than this is on the plateau
+PLATEAU_GAIN = 0.1  # a rung adding fewer tokens per drafted pass than this is on the plateau
 
 
 def parse_depths(text: str) -> list[int]:
@@ -56,7 +56,7 @@ class Ladder:
         return max(self.rungs, key=lambda dr: self.speedup(dr[1]))[0]
 
     def plateau_depth(self) -> Optional[int]:
-        """The first depth whose next rung adds less than PLATEAU_GAIN accepted tokens per pass."""
+        """The first depth whose next rung adds less than PLATEAU_GAIN tokens per drafted pass."""
         for (d, r), (_, nxt) in zip(self.rungs, self.rungs[1:]):
             if nxt.mean_accepted() - r.mean_accepted() < PLATEAU_GAIN:
                 return d
@@ -120,33 +120,34 @@ def to_json(ladder: Ladder) -> dict:
 
 
 def render(ladder: Ladder):
-    """A rich table plus bar charts of accepted tokens per pass and speed-up per depth."""
+    """A rich table plus bar charts of tokens per drafted pass and speed-up per depth."""
     from rich.console import Group
     from rich.text import Text
 
     from specchat.bench import compact_table, tok_s
 
     table = compact_table(f"specchat ladder · {ladder.rungs[0][1].profile.name.rsplit('@', 1)[0]}",
-                          "acc/pass: tokens per pass that verified a draft · by position: % of drafts accepted at "
+                          "t/pass: tokens per target pass · t/dp: tokens per drafted pass · by position: % of drafts accepted at "
                           "position 1, 2, … · pass cost: see below")
     table.add_column("depth", no_wrap=True)
-    table.add_column("acc/pass", justify="right", no_wrap=True)
+    for col in ("t/pass", "t/dp"):
+        table.add_column(col, justify="right", no_wrap=True)
     table.add_column("by position %", min_width=13)  # the one column that wraps, between its numbers
     for col in ("pass cost", "tok/s", "speed-up"):
         table.add_column(col, justify="right", no_wrap=True)
-    table.add_row("target-only", "1.00", "", "1.00", tok_s(ladder.reference.decode_tok_s()), "1.00x")
+    table.add_row("target-only", "1.00", "-", "", "1.00", tok_s(ladder.reference.decode_tok_s()), "1.00x")
     best = ladder.best_depth()
     for d, r in ladder.rungs:
         pos = " ".join(f"{a:.0%}".rstrip("%") for a in r.acceptance_by_position())
         sp = f"{ladder.speedup(r):.2f}x"
-        table.add_row(str(d), f"{r.mean_accepted():.2f}", pos, f"{ladder.pass_cost(r):.2f}", tok_s(r.decode_tok_s()),
+        table.add_row(str(d), f"{r.tokens_per_pass():.2f}", f"{r.mean_accepted():.2f}", pos, f"{ladder.pass_cost(r):.2f}", tok_s(r.decode_tok_s()),
                       f"[bold green]{sp}[/]" if d == best else sp)
     width = 40
     top_acc = max(r.mean_accepted() for _, r in ladder.rungs) or 1.0
     top_sp = max([ladder.speedup(r) for _, r in ladder.rungs] + [1.0])
     chart = Text()
-    chart.append("accepted tokens per pass", style="bold")
-    chart.append(" " * (width - 12) + "speed-up vs target-only\n", style="bold")
+    chart.append("tokens per drafted pass", style="bold")
+    chart.append(" " * (width - 11) + "speed-up vs target-only\n", style="bold")
     for d, r in ladder.rungs:
         acc, sp = r.mean_accepted(), ladder.speedup(r)
         a_bar = "█" * round(width / 2 * acc / top_acc)
@@ -158,7 +159,7 @@ def render(ladder: Ladder):
         chart.append(f" {sp:4.2f}x\n")
     plateau = ladder.plateau_depth()
     verdict = Text(f"best depth {best} ({ladder.speedup(dict(ladder.rungs)[best]):.2f}x target-only); ")
-    verdict.append(f"plateau from depth {plateau}: deeper drafts add < {PLATEAU_GAIN} accepted tokens per pass"
+    verdict.append(f"plateau from depth {plateau}: deeper drafts add < {PLATEAU_GAIN} tokens per drafted pass"
                    if plateau else "no plateau within these depths")
     d, r = ladder.rungs[0]
     verdict.append(f"\npass cost: target-only steps per pass (drafting plus verifying); a depth pays when its passes "

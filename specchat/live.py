@@ -145,9 +145,9 @@ class LiveStats:
 
     @property
     def mean_per_pass(self) -> float:
-        """Tokens per target pass (accepted drafts + the target's own token)."""
+        """Tokens per target pass (accepted drafts + the target's own token): Summary.tokens_per_pass."""
         if self.summary is not None and self.summary.passes:
-            return self.summary.tokens / self.summary.passes
+            return self.summary.tokens_per_pass
         return self.tokens / self.passes if self.passes else 0.0
 
     @property
@@ -169,17 +169,37 @@ def positions_line(rates: Sequence[float], limit: int = 8) -> str:
     return " ".join(f"{r:.0%}" for r in rates[:limit]) + (" …" if len(rates) > limit else "")
 
 
-def speculation_note(s: Summary, unit: str = "tok/pass", acceptance: bool = True) -> str:
-    """A reply's speculation in a few words: mean tokens per pass and acceptance; empty for
-    target-only decoding; for a remote server that reported nothing, that it reported nothing."""
+def speculation_note(s: Summary, acceptance: bool = True) -> str:
+    """A reply's speculation in a few words: tokens per pass (over every target pass, the figure
+    the status bar shows too) and, with `acceptance`, tokens per drafted pass and the share of
+    drafts accepted; empty for target-only decoding; for a remote server that reported nothing,
+    that it reported nothing."""
     if not s.spec_reported:
         return NO_SPEC_METRICS
     if not s.drafts:
         return ""
-    note = f"{s.mean_accepted:.2f} {unit}"
-    if acceptance and s.draft_tokens:
-        note += f" · acceptance {s.acceptance_rate:.0%}"
+    note = f"{s.tokens_per_pass:.2f} tok/pass"
+    if acceptance:
+        note += f" · {s.mean_accepted:.2f} tok/drafted pass"
+        if s.draft_tokens:
+            note += f" · acceptance {s.acceptance_rate:.0%}"
     return note
+
+
+def reply_stats(s: Summary, method: Optional[str] = None) -> dict:
+    """A reply's figures as history keeps them (the chat, the REPL and `run` alike): tokens per pass
+    over every pass, and per drafted pass (`mean_accepted`) only where a pass drafted."""
+    d = {"tokens": s.tokens, "passes": s.passes, "ttft_s": round(s.ttft_s, 4),
+         "decode_tok_s": round(s.decode_tok_s, 2), "stop_reason": s.stop_reason}
+    if method is not None:
+        d["method"] = method
+    if s.spec_reported and s.passes:
+        d["tokens_per_pass"] = round(s.tokens_per_pass, 3)
+    if s.drafts:
+        d.update(mean_accepted=round(s.mean_accepted, 3), acceptance_rate=round(s.acceptance_rate, 3))
+    if s.spec_source or not s.spec_reported:
+        d["spec_metrics"] = s.spec_source or "none reported"
+    return d
 
 
 def stats_line(s: Summary, passes: bool = False, acceptance: bool = True, stop: bool = False) -> str:

@@ -36,7 +36,7 @@ def plot_problem(path: str) -> Optional[str]:
 
 
 def figure(ladder: "Ladder") -> "Figure":
-    """Accepted tokens per pass and speed-up per depth, against target-only's 1.0, best depth marked."""
+    """Tokens per drafted pass and speed-up per depth, against target-only's 1.0, best depth marked."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -48,7 +48,7 @@ def figure(ladder: "Ladder") -> "Figure":
     fig = Figure(figsize=(6.4, 4.0), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    ax.plot(depths, [r.mean_accepted() for _, r in ladder.rungs], "o-", label="accepted tokens per pass")
+    ax.plot(depths, [r.mean_accepted() for _, r in ladder.rungs], "o-", label="tokens per drafted pass")
     ax.plot(depths, speedups, "s-", label="speed-up vs target-only")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--", label="target-only")
     best = ladder.best_depth()

@@ -61,6 +61,9 @@ class Profile(Strict):
     server: Optional[ServerConfig] = None  # backend openai only
     llama_server: Optional[LlamaServerConfig] = None  # backend llamaserver only
     constraint: Optional[ConstraintConfig] = None  # the shape every reply keeps (a JSON schema, regex, grammar)
+    # write this profile's prompts and replies to the history database (chat, REPL and `run`); false:
+    # nothing is written, and a suffix drafter's memory reads nothing from it either
+    history: bool = True
     source: Optional[str] = Field(None, exclude=True)  # the file it came from
 
     @field_validator("device")

@@ -24,7 +24,7 @@ from specchat.compare import near_tie_margin
 from specchat.context_window import fit_request
 from specchat.conversation import Conversation
 from specchat.history import History, HistoryError
-from specchat.live import Failed, Item, one_line, pump, speedup_line, stats_line
+from specchat.live import Failed, Item, one_line, pump, reply_stats, speedup_line, stats_line
 from specchat.model_flag import flagged_engine_line
 from specchat.profiles import Profile, ProfileError, load_profiles
 from specchat.session_constraint import COMMANDS as CONSTRAINT_COMMANDS, HELP as CONSTRAINT_HELP, SessionConstraint, label
@@ -129,7 +129,7 @@ class Repl:
         self._drop_reference()
         self.profile, self.backend = profile, backend
         self.last = self.last_request = None  # the previous profile's figures are not this one's
-        self.conv.set_profile(profile.name)
+        self.conv.set_profile(profile.name, keep=profile.history)
         self.say(f"[{profile.name}: {profile.method_label} · {profile.model}]")
         if engine := flagged_engine_line(profile):  # -m's file: which engine runs it and why
             self.say(f"[{engine}]")
@@ -220,7 +220,7 @@ class Repl:
             self.say("[stopped: the reply so far is kept]")
         if text:
             saved = self.conv.add("assistant", text, profile=self.profile.name,
-                                  stats={"tokens": summary.tokens, "decode_tok_s": summary.decode_tok_s} if summary else None)
+                                  stats=reply_stats(summary, self.profile.method_label) if summary else None)
             if summary is not None:
                 suffix_memory.remember(self.backend, self.conv.id, saved, summary.token_ids)
         if summary is not None:

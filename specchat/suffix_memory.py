@@ -43,6 +43,8 @@ def warm(backend, profile: Profile, history_path: Optional[Path],
         return None
     if history_path is None:
         return "suffix memory starts empty: history is off for this session"
+    if not profile.history:
+        return f"suffix memory starts empty: history is off for profile '{profile.name}'"
     sx = profile.speculative.suffix
     started = time.perf_counter()
     try:

@@ -165,6 +165,7 @@ class PromptCheck:
     def as_dict(self) -> dict:
         return {"id": self.prompt.id, "turn": self.turn, "category": self.prompt.category, **self.verdict.as_dict(),
                 "reference_tokens": self.reference.tokens, "speculative_tokens": self.speculative.tokens,
+                "tokens_per_pass": self.speculative.tokens_per_pass if self.speculative.spec_reported else None,
                 "mean_accepted": self.speculative.mean_accepted if self.speculative.spec_reported else None,
                 "reference_runs": self.reference_runs,
                 "reference_reproducible": self.verdict.kind != NOT_REPRODUCIBLE, "under_load": self.under_load}

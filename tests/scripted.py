@@ -29,7 +29,7 @@ class ScriptedBackend(Backend):
     """Streams the given replies in turn (the last one repeats).
 
     `accept` is a cycle of accepted-draft counts per pass; with it each pass commits
-    accepted + 1 tokens and reports `drafted=depth`. `delay` sleeps per pass. Cancel is
+    accepted + 1 tokens and reports `drafted=depth` (None in the cycle: a pass that drafted nothing). `delay` sleeps per pass. Cancel is
     honoured between passes."""
 
     name = "scripted"
@@ -72,12 +72,13 @@ class ScriptedBackend(Backend):
             if cancel is not None and cancel.is_set():
                 yield stats.finish(STOP_CANCELLED)
                 return
-            acc = min(self.accept[n % len(self.accept)], len(toks) - i - 1) if self.accept else 0
+            planned = self.accept[n % len(self.accept)] if self.accept else None  # None: a pass with no draft
+            acc = min(planned, len(toks) - i - 1) if planned is not None else 0
             chunk = toks[i:i + acc + 1]
             i += len(chunk)
             n += 1
             step = Step(chunk if self.ids else [], self.detokenize(chunk),
-                        drafted=self.depth if self.accept else 0, accepted=acc)
+                        drafted=self.depth if planned is not None else 0, accepted=acc)
             if not self.ids:  # a backend without ids still counts its tokens
                 stats.add(Step(chunk, step.text, step.drafted, step.accepted))
                 stats.summary.token_ids = []

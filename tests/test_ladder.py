@@ -35,7 +35,7 @@ def test_ladder_measures_every_depth_against_target_only(tiny_mtp_profile, tmp_p
     assert out["best_depth"] in (1, 2, 3) and out["reference"]["prompts"] == 2
     svg = ElementTree.parse(plot).getroot()  # drawn by matplotlib: both lines, the legend naming them
     texts = {t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")}
-    assert {"accepted tokens per pass", "speed-up vs target-only", "draft depth (tokens drafted per pass)"} <= texts
+    assert {"tokens per drafted pass", "speed-up vs target-only", "draft depth (tokens drafted per pass)"} <= texts
     assert {"1", "2", "3"} <= texts  # the depths, as integer ticks
 
 

@@ -39,7 +39,7 @@ def test_png_and_svg_are_drawn_by_matplotlib(tmp_path):
     texts = {t.text for t in ElementTree.parse(svg).getroot().iter(f"{SVG}text")}  # the same ticks, as SVG text
     assert set(ticks) <= texts and {str(d) for d in range(1, 7)} <= texts
     assert {"draft depth (tokens drafted per pass)", "tokens per pass · speed-up (×)"} <= texts  # axis labels
-    assert {"accepted tokens per pass", "speed-up vs target-only", f"best depth ({result.best_depth()})"} <= texts
+    assert {"tokens per drafted pass", "speed-up vs target-only", f"best depth ({result.best_depth()})"} <= texts
     assert "specchat ladder · smollm2-mtp" in texts  # the title names the profile
 
 

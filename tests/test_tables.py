@@ -9,8 +9,8 @@ from specchat import bench, ladder
 from specchat.profiles import load_profiles
 from tests import results
 
-LADDER_HEADERS = ["depth", "acc/pass", "by position %", "pass cost", "tok/s", "speed-up"]
-BENCH_HEADERS = ["profile", "method", "tok/s", "TTFT", "acc", "t/pass", "speed-up"]
+LADDER_HEADERS = ["depth", "t/pass", "t/dp", "by position %", "pass cost", "tok/s", "speed-up"]
+BENCH_HEADERS = ["profile", "method", "tok/s", "TTFT", "t/pass", "t/dp", "speed-up"]
 
 
 def rendered(renderable) -> list[str]:
@@ -46,7 +46,7 @@ def test_the_ladder_table_fits_80_columns(depths):
     lines = rendered(ladder.render(result))
     assert_fits(lines)
     n = header_line(lines, LADDER_HEADERS)
-    rows = rows_of(lines, n, "acc/pass: ")
+    rows = rows_of(lines, n, "t/pass: ")
     assert rows[0].startswith("target-only ") and rows[0].rstrip().endswith("1.00x")
     # one line per depth up to 6 (acceptance at positions 1-6 as whole percentages), and every depth's row
     # keeps its figures on its first line; only the positions wrap for deeper drafts
@@ -57,7 +57,8 @@ def test_the_ladder_table_fits_80_columns(depths):
     for d, r in result.rungs:
         line = next(x for x in firsts if int(x.split()[0]) == d)
         assert f"{result.speedup(r):.2f}x" in line and f"{r.mean_accepted():.2f}" in line
-        assert line.split()[2] == f"{r.acceptance_by_position()[0] * 100:.0f}"
+        assert line.split()[3] == f"{r.acceptance_by_position()[0] * 100:.0f}"
+        assert line.split()[1] == f"{r.tokens_per_pass():.2f}" and line.split()[2] == f"{r.mean_accepted():.2f}"
     assert "best depth" in "\n".join(lines)
 
 
@@ -72,7 +73,7 @@ def test_the_bench_table_fits_80_columns_with_the_longest_names():
     assert_fits(lines)
     n = header_line(lines, BENCH_HEADERS)
     assert "backend" not in lines[n] and "torch" in lines[n - 1]  # one backend: named in the title
-    rows = rows_of(lines, n, "acc: ")
+    rows = rows_of(lines, n, "t/pass: ")
     assert rows[0].startswith("smollm2-mtp-lookup ") and rows[0].rstrip().endswith("0.15x")
     fast = bench.tok_s(res[1].decode_tok_s())
     assert fast.isdigit() and any(r.startswith("smollm2-mtp-lookup:target-only ") and f" {fast} " in r for r in rows)

@@ -283,7 +283,7 @@ class SpecChatApp(App):
             return
         old = self.backend
         self.profile, self.backend = profile, backend
-        self.conv.set_profile(profile.name)
+        self.conv.set_profile(profile.name, keep=profile.history)
         self.last_summary = self.chat.live = None  # the previous profile's figures are not this one's
         if old is not None and old is not backend:
             try:

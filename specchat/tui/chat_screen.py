@@ -17,7 +17,7 @@ from textual.widgets import Footer, LoadingIndicator
 from specchat import suffix_memory
 from specchat.backends.base import BackendError, Request, Summary
 from specchat.context_window import fit_request
-from specchat.live import Failed, Item, LiveStats, format_rate, pump, speculation_figures, stats_line
+from specchat.live import Failed, Item, LiveStats, format_rate, pump, reply_stats, speculation_figures, stats_line
 from specchat.loading import sampling_of
 from specchat.model_flag import flagged_engine_line
 from specchat.profiles import ProfileError
@@ -28,16 +28,6 @@ if TYPE_CHECKING:
     from specchat.tui.host import HostApp
 
 FRAME_S = 1 / 30  # the UI drains engine events at this rate, never per token
-
-
-def stats_dict(s: Summary) -> dict:
-    d = {"tokens": s.tokens, "passes": s.passes, "ttft_s": round(s.ttft_s, 4),
-         "decode_tok_s": round(s.decode_tok_s, 2), "stop_reason": s.stop_reason}
-    if s.drafts:
-        d.update(mean_accepted=round(s.mean_accepted, 3), acceptance_rate=round(s.acceptance_rate, 3))
-    if s.spec_source or not s.spec_reported:
-        d["spec_metrics"] = s.spec_source or "none reported"
-    return d
 
 
 def summary_note(s: Summary) -> str:
@@ -243,6 +233,7 @@ class ChatScreen(Screen):
         self.query_one("#conversation").scroll_end(animate=False)
         self.generating = True
         self._reply_profile = profile.name
+        self._reply_method = profile.method_label
         self._reply_backend = backend  # whose suffix memory learns the reply
         self.run_worker(partial(pump, backend, request, sampling_of(profile), self.cancel, self.events,
                                 self.generation, app.between_replies),
@@ -307,7 +298,7 @@ class ChatScreen(Screen):
         app.last_summary = end
         text = end.text or reply.text
         if text:  # saved before the final render: a crash now loses nothing
-            saved = app.conv.add("assistant", text, profile=self._reply_profile, stats=stats_dict(end))
+            saved = app.conv.add("assistant", text, profile=self._reply_profile, stats=reply_stats(end, self._reply_method))
             suffix_memory.remember(self._reply_backend, app.conv.id, saved, end.token_ids)
             self._shown_version = app.conv.version
             await reply.finish(text, note=summary_note(end))

@@ -52,6 +52,25 @@ async def test_prompt_streams_reply_and_saves_history(profiles_dir):
         assert [m.content for m in conv.messages] == ["hi there", REPLY]
 
 
+async def test_the_reply_line_the_status_bar_and_history_agree_on_tokens_per_pass(profiles_dir):
+    # passes that drafted nothing (None) make tokens per pass differ from tokens per drafted pass
+    backend = ScriptedBackend([REPLY], accept=[3, None, 1, None])
+    app, _ = app_with(profiles_dir, spec=backend)
+    async with app.run_test(size=(160, 30)) as pilot:
+        await ready(pilot, app)
+        await send(pilot, "hi there")
+        screen = app.chat
+        await wait_until(pilot, lambda: not screen.generating and app.conv.last_reply, what="reply")
+        summary = screen.live.summary
+        assert summary.tokens_per_pass < summary.mean_accepted
+        figure = f"{summary.tokens_per_pass:.2f} tok/pass"
+        assert figure in list(screen.query(AssistantMessage))[-1].note
+        assert figure in str(screen.query_one("#status-text").render())
+        stats = History().load(app.conv.id).messages[-1].stats
+        assert stats["tokens_per_pass"] == round(summary.tokens_per_pass, 3)
+        assert stats["mean_accepted"] == round(summary.mean_accepted, 3) and stats["method"]
+
+
 async def test_escape_stops_and_keeps_partial_reply(profiles_dir):
     long_reply = " ".join(f"word{i}" for i in range(400))
     backend = ScriptedBackend([long_reply], delay=0.01)
