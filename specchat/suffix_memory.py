@@ -20,6 +20,7 @@ from specchat.history import HistoryError, read_recent_replies
 from specchat.profiles import Profile
 
 SLOW_S = 1.0  # reading the history longer than this shows its progress
+BATCH = 128  # replies tokenized in one call
 _unsaved = itertools.count()  # keys of replies that history did not save (history off)
 
 
@@ -53,18 +54,22 @@ def warm(backend, profile: Profile, history_path: Optional[Path],
         return f"suffix memory starts empty: {e}"
     chosen: list[tuple[Hashable, list[int]]] = []
     total, shown = 0, started
-    for n, (conversation, message, text) in enumerate(rows, 1):
-        ids = backend.tokenize(text)
-        if total + len(ids) > sx.history_tokens and chosen:
-            break
-        chosen.append(((conversation, message), ids))
-        total += len(ids)
+    for at in range(0, len(rows), BATCH):
+        batch = rows[at:at + BATCH]
+        full = False
+        for (conversation, message, _), ids in zip(batch, backend.tokenize_many([text for _, _, text in batch])):
+            if total + len(ids) > sx.history_tokens and chosen:
+                full = True
+                break
+            chosen.append(((conversation, message), ids))
+            total += len(ids)
         now = time.perf_counter()
+        if full:
+            break
         if progress is not None and now - shown > slow_s:
-            progress(f"reading earlier replies into the suffix memory: {n} of {len(rows)}")
+            progress(f"reading earlier replies into the suffix memory: {at + len(batch)} of {len(rows)}")
             shown = now
-    for key, ids in reversed(chosen):  # the oldest first, as the memory evicts the oldest
-        memory.add(key, ids)
+    memory.add_many(chosen[::-1])  # the oldest first, as the memory evicts the oldest
     return f"suffix memory: {describe(memory)} ({time.perf_counter() - started:.1f}s)"
 
 

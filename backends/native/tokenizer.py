@@ -39,7 +39,9 @@ def _load_hf_tokenizer(path: Path, cache_dir: Path | None):
         os.replace(tmp, cached)  # atomic: another process may have saved it meanwhile
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-    return tok
+    # the saved one, as every later start loads it: a tokenizer transformers builds from GGUF metadata
+    # need not tokenize as it does once saved (gemma3's, of a byte-level BPE vocabulary, did not)
+    return AutoTokenizer.from_pretrained(str(cached))
 
 
 class ChatTokenizer:
@@ -77,6 +79,10 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text, in one batch (the Rust tokenizer spreads it over the cores)."""
+        return [list(ids) for ids in self.hf(list(texts), add_special_tokens=False)["input_ids"]] if texts else []
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)

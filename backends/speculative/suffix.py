@@ -39,6 +39,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
+import numpy as np
+
 SEP = -1  # between sequences, and over removed ones: never equal to a token
 
 
@@ -70,6 +72,58 @@ class Found:
 
 SIZES = (2, 4, 8)
 RECENT = 256
+BULK = 64  # `extend` with at least this many tokens hashes them with numpy (scripts/suffix_memory_cost.py)
+
+# CPython's tuple hash (Objects/tupleobject.c, xxHash's lanes) over non-negative ints, whose hash is
+# the int itself: the memory's bulk path must file every n-gram under the key that a lookup's
+# hash(tuple) gives. tuple_hashes checks itself against hash() once and falls back if they differ.
+_XX1, _XX2, _XX5 = np.uint64(11400714785074694791), np.uint64(14029467366897019727), np.uint64(2870177450012600261)
+
+
+def _numpy_tuple_hashes(seq: np.ndarray, size: int) -> np.ndarray:
+    n = len(seq) - size + 1
+    acc = np.full(n, _XX5, dtype=np.uint64)
+    for j in range(size):
+        acc += seq[j:j + n].astype(np.uint64) * _XX2
+        acc = (acc << np.uint64(31)) | (acc >> np.uint64(33))
+        acc *= _XX1
+    acc += np.uint64(size ^ (2870177450012600261 ^ 3527539))
+    out = acc.view(np.int64)
+    out[out == -1] = 1546275796
+    return out
+
+
+def _python_tuple_hashes(seq: np.ndarray, size: int) -> np.ndarray:
+    values = seq.tolist()
+    return np.array([hash(tuple(values[i:i + size])) for i in range(len(values) - size + 1)], dtype=np.int64)
+
+
+def tuple_hashes(seq: np.ndarray, size: int) -> np.ndarray:
+    """hash(tuple(seq[i:i + size])) for every window of `seq` (non-negative int64 ids)."""
+    return _TUPLE_HASHES(seq, size)
+
+
+_PROBE = np.array([0, 1, 2**31 - 1, 49152, 151_000, 7, 3, 2**40], dtype=np.int64)
+_TUPLE_HASHES = (_numpy_tuple_hashes if all(np.array_equal(_numpy_tuple_hashes(_PROBE, k), _python_tuple_hashes(_PROBE, k))
+                                            for k in (1, 2, 4, 8)) else _python_tuple_hashes)
+
+
+def _checked(tokens: Sequence[int]) -> np.ndarray:
+    ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if ids.size and ids.min() < 0:
+        raise ValueError(f"token ids are >= 0, not {int(ids.min())}")
+    return ids
+
+
+def _file(table: dict, key: int, end: int) -> None:
+    """Position `end` under the n-gram `key`: an int for one place, a list (oldest first) for more."""
+    held = table.get(key)
+    if held is None:
+        table[key] = end
+    elif type(held) is int:
+        table[key] = [held, end]
+    else:
+        held.append(end)
 
 
 class SuffixIndex:
@@ -124,6 +178,9 @@ class SuffixIndex:
         """More tokens of the sequence added last."""
         if self._last is None:
             raise ValueError("no sequence to extend: add one first")
+        if len(tokens) >= BULK:
+            self._extend_bulk(tokens)
+            return
         start, _ = self.spans[self._last]
         flat = self.flat
         for token in tokens:
@@ -133,17 +190,74 @@ class SuffixIndex:
             for size, table in zip(self.sizes, self.tables):
                 if end - size < start:
                     break
-                key = hash(tuple(flat[end - size:end]))
-                held = table.get(key)
-                if held is None:
-                    table[key] = end
-                elif type(held) is int:
-                    table[key] = [held, end]
-                else:
-                    held.append(end)
+                _file(table, hash(tuple(flat[end - size:end])), end)
             flat.append(token)
         self.spans[self._last] = (start, len(flat))
         self.live_tokens += len(tokens)
+
+    def _extend_bulk(self, tokens: Sequence[int]) -> None:
+        """`extend` for many tokens at once: the same tables, filed by `_file_span`."""
+        new = _checked(tokens)
+        start, _ = self.spans[self._last]
+        follow = len(self.flat)
+        self.flat.extend(new.tolist())
+        self._file_span(start, follow)
+        self.spans[self._last] = (start, len(self.flat))
+        self.live_tokens += len(new)
+
+    def add_many(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> None:
+        """`add` of each (key, tokens), oldest first, in one pass over the tables (a thousand
+        earlier replies read into the memory at load: scripts/suffix_memory_cost.py)."""
+        items = [(key, _checked(tokens)) for key, tokens in items]
+        for key, _ in items:
+            if key in self.spans:
+                self.remove(key)
+        if not items:
+            return
+        flat = self.flat
+        first = None
+        for key, tokens in items:
+            if flat:  # as `add` lays them out
+                flat.append(SEP)
+            first = len(flat) if first is None else first
+            self.spans[key] = (len(flat), len(flat) + len(tokens))
+            flat.extend(tokens.tolist())
+            self.live_tokens += len(tokens)
+        self._last = items[-1][0]
+        self._file_span(first, first)
+        while len(self.spans) > 1 and ((self.max_sequences and len(self.spans) > self.max_sequences)
+                                       or (self.max_tokens and self.live_tokens > self.max_tokens)):
+            self.remove(next(iter(self.spans)))
+
+    def _file_span(self, base: int, follow: int) -> None:
+        """File every n-gram of flat[base:] whose following token stands at `follow` or later (and
+        within the same sequence), as `extend` files them one at a time: each n-gram's hash
+        computed by numpy, the positions grouped per n-gram, oldest first."""
+        seq = np.asarray(self.flat[base:], dtype=np.int64)
+        seps = np.concatenate([[0], np.cumsum(seq == SEP)])  # SEPs before each index
+        ends = np.arange(max(follow - base, 1), len(seq))  # following positions, relative to base
+        for size, table in zip(self.sizes, self.tables):
+            at = ends[ends >= size]
+            at = at[seps[at + 1] == seps[at - size]]  # no SEP in the n-gram nor in what follows it
+            if not at.size:
+                continue
+            keys = tuple_hashes(seq, size)[at - size]
+            order = np.argsort(keys, kind="stable")  # stable: each n-gram's positions stay oldest first
+            keys, positions = keys[order], (at[order] + base).tolist()
+            cuts = (np.flatnonzero(keys[1:] != keys[:-1]) + 1).tolist()
+            spans = zip(keys[[0] + cuts].tolist(), [0] + cuts, cuts + [len(positions)])
+            if not table:  # a fresh memory: nothing to merge with
+                table.update((key, positions[a] if b - a == 1 else positions[a:b]) for key, a, b in spans)
+                continue
+            get = table.get
+            for key, a, b in spans:
+                held = get(key)
+                if held is None:
+                    table[key] = positions[a] if b - a == 1 else positions[a:b]
+                elif type(held) is int:
+                    table[key] = [held] + positions[a:b]
+                else:
+                    held.extend(positions[a:b])
 
     def remove(self, key: Hashable) -> None:
         """Forget a sequence: its tokens become separators (no pattern matches them), and once

@@ -270,3 +270,53 @@ def test_anchors_of_one_token_and_a_longest_match_of_the_largest_anchor_are_allo
     index = SuffixIndex(sizes=(1, 2), max_match=2)
     index.add("a", [5, 6, 7])
     assert index.find([9, 6], 4).tokens == [7]  # a one-token anchor
+
+
+def one_at_a_time(index: SuffixIndex, items, extra=()) -> SuffixIndex:
+    """Every token filed by `extend`'s one-token path (chunks shorter than BULK)."""
+    for key, tokens in items:
+        index.add(key, [])
+        for t in tokens:
+            index.extend([t])
+    for t in extra:
+        index.extend([t])
+    return index
+
+
+def state(index: SuffixIndex):
+    return index.flat.tolist(), list(index.spans.items()), index.tables, index.live_tokens
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=150), min_size=1, max_size=6),
+       st.lists(st.integers(0, 5), min_size=64, max_size=140), st.integers(0, 8), st.integers(0, 400))
+def test_the_bulk_paths_file_exactly_what_one_token_at_a_time_files(seqs, more, max_sequences, max_tokens):
+    items = list(enumerate(seqs))
+    bulk = SuffixIndex()
+    bulk.add_many(items)
+    assert state(bulk) == state(one_at_a_time(SuffixIndex(), items))
+    bulk.extend(more)  # a bulk extend of the newest
+    assert state(bulk) == state(one_at_a_time(SuffixIndex(), items, more))
+    # into a memory that already holds sequences: merged with the n-grams it has
+    held = one_at_a_time(SuffixIndex(), items[:1])
+    held.add_many(items[1:])
+    assert state(held) == state(one_at_a_time(SuffixIndex(), items))
+    # bounded: the same sequences live as after one `add` each, and the same drafts
+    bounded = dict(max_sequences=max_sequences, max_tokens=max_tokens)
+    many, each = SuffixIndex(**bounded), SuffixIndex(**bounded)
+    many.add_many(items)
+    for key, tokens in items:
+        each.add(key, tokens)
+    assert [(k, many.sequence(k)) for k in many.spans] == [(k, each.sequence(k)) for k in each.spans]
+    for _, tokens in items:
+        assert many.find(tokens[:-1] or [0], 8) == each.find(tokens[:-1] or [0], 8)
+
+
+def test_numpy_hashes_are_python_s_tuple_hashes():
+    import numpy as np
+
+    from specchat.backends.speculative.suffix import tuple_hashes
+
+    ids = np.random.default_rng(1).integers(0, 200_000, 500)
+    for size in (1, 2, 4, 8):
+        assert tuple_hashes(ids, size).tolist() == [hash(tuple(ids[i:i + size].tolist())) for i in range(len(ids) - size + 1)]
