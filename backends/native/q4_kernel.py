@@ -106,7 +106,7 @@ def _register_fake() -> None:
         return tiles.new_empty(ids.numel(), K, dtype=torch.float32)
 
     @torch.library.register_fake("specchat::attend_rows")
-    def _(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+    def _(q: Tensor, k: Tensor, v: Tensor, start: int, window: int = 0) -> Tensor:
         return q.new_empty(1, *q.shape)
 
     @torch.library.register_fake("specchat::q8_head")

@@ -166,14 +166,15 @@ attention = pytest.mark.skipif(not q4_kernel.attention_kernel_fits(9, 3, 64, tor
                                reason="the attention kernel runs on AVX512 only")
 
 
-def reference_attention(q, k, v, start):
-    """Row i of q [H, n, hd] over keys [0, start + i], in float64."""
+def reference_attention(q, k, v, start, window=0):
+    """Row i of q [H, n, hd] over keys [0, start + i] (the last `window` of them where window > 0), in float64."""
     H, n, hd = q.shape
     G = H // k.shape[1]
     out = []
     for i in range(n):
-        kk = k[0, :, :start + i + 1].double().repeat_interleave(G, 0)
-        vv = v[0, :, :start + i + 1].double().repeat_interleave(G, 0)
+        first = max(0, start + i + 1 - window) if window else 0
+        kk = k[0, :, first:start + i + 1].double().repeat_interleave(G, 0)
+        vv = v[0, :, first:start + i + 1].double().repeat_interleave(G, 0)
         out.append(((q[:, i:i + 1].double() @ kk.transpose(1, 2)) / hd ** 0.5).softmax(-1) @ vv)
     return torch.cat(out, 1)
 
@@ -182,10 +183,12 @@ def reference_attention(q, k, v, start):
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(1, 16), start=st.integers(0, 300), heads=st.sampled_from([(9, 3), (4, 4), (16, 2), (8, 1)]),
        hd=st.sampled_from([16, 64, 128]), threads=st.sampled_from([1, 2]),
-       dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
-def test_each_attention_row_has_its_one_row_bits(n, start, heads, hd, threads, dtype, seed):
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16),
+       window=st.sampled_from([0, 0, 1, 9, 64, 280]))
+def test_each_attention_row_has_its_one_row_bits(n, start, heads, hd, threads, dtype, seed, window):
     """Row i of a block has the bits of a one-row call at its position, whatever else is in the
-    cache past that position (stale keys of a rejected draft) and however many threads run."""
+    cache past that position (stale keys of a rejected draft) or, in a sliding-window layer, before
+    its window, and however many threads run."""
     H, Hkv = heads
     g = torch.Generator().manual_seed(seed)
     k, v = (torch.randn(1, Hkv, start + n + 40, hd, generator=g).to(dtype) for _ in range(2))
@@ -193,16 +196,19 @@ def test_each_attention_row_has_its_one_row_bits(n, start, heads, hd, threads, d
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        block = torch.ops.specchat.attend_rows(q, k, v, start)
+        block = torch.ops.specchat.attend_rows(q, k, v, start, window)
+        reference = reference_attention(q, k, v, start, window)
         k[:, :, start + n:] = 1e4  # past every row's end: never read
         for i in range(n):
-            one = torch.ops.specchat.attend_rows(q[:, i:i + 1].contiguous(), k, v, start + i)
+            if window:  # before this row's window: never read by it
+                k[:, :, :max(0, start + i + 1 - window)] = 1e4
+            one = torch.ops.specchat.attend_rows(q[:, i:i + 1].contiguous(), k, v, start + i, window)
             assert torch.equal(one[0, :, 0], block[0, :, i])
     finally:
         torch.set_num_threads(before)
     assert block.dtype == dtype and block.shape == (1, H, n, hd)
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    assert torch.allclose(block[0].double(), reference_attention(q, k, v, start), atol=tolerance, rtol=tolerance)
+    assert torch.allclose(block[0].double(), reference, atol=tolerance, rtol=tolerance)
 
 
 @attention

@@ -4,11 +4,15 @@
 
 struct AttentionShape {
     int heads, kv_heads;  // query heads, key/value heads (query head h reads kv head h / (heads / kv_heads))
-    int rows;             // query rows; row i attends over keys [0, start + i + 1)
+    int rows;             // query rows; row i attends over keys [first_key(start + i + 1), start + i + 1)
     int head_dim;
     long cache_len;       // positions the cache holds room for
     long start;
+    long window;          // a sliding-window layer's keys a row sees (its own included); 0: all before it
 };
+
+// The first key a row whose keys end at `end` sees.
+inline long first_key(const AttentionShape& s, long end) { return s.window > 0 && end > s.window ? end - s.window : 0; }
 
 // Keys from which a block of rows widens its keys and values once (attention_avx512.cpp); below,
 // each row reads the cache in place. The same bits either way; re-measure the crossover with

@@ -1,5 +1,6 @@
 // Decode and verify attention over the KV cache on AVX512: n query rows, row i attending over
-// keys [0, start + i + 1), each row's result from its own query and keys alone.
+// keys [0, start + i + 1) (a sliding-window layer's row over the last `window` of them), each row's
+// result from its own query and keys alone.
 //
 // Numerics: float32 throughout (bfloat16 caches widened exactly), in an order that depends on
 // nothing but the row: a score is a 16-lane fused dot product over head_dim, reduced across lanes
@@ -7,7 +8,8 @@
 // 1 / sqrt(head_dim); the softmax in two passes over the row's keys (max; then exp, summed in 16
 // lanes by key index mod 16 and reduced the same way), the values summed in key order per dim and
 // divided by that sum. Keys past the row's end never enter its result, so a row's bits do not
-// depend on the cache's padding, on the other rows of the call or on the thread count.
+// depend on the cache's padding, on the other rows of the call or on the thread count. A window
+// only moves where a row's keys start: the same arithmetic over them.
 //
 // Work: one call per (kv head, block of rows). Below ATTENTION_BLOCK_KEYS keys each row reads the
 // cache in place, one key at a time (`attend`). Past it, the block's keys and values are widened to float32
@@ -188,7 +190,8 @@ void attend_group(const float* const* q, int G, const T* k, const T* v, int keys
 
 template <typename T>
 void attend(const float* q, const T* k, const T* v, const AttentionShape& s, int row, int kv, float* out) {
-    const int G = s.heads / s.kv_heads, keys = (int)(s.start + row + 1);
+    const long end = s.start + row + 1, first = first_key(s, end);
+    const int G = s.heads / s.kv_heads, keys = (int)(end - first);
     thread_local std::vector<float> scores;
     scores.resize((size_t)G * keys);
     const float* qs[MAX_GROUP];
@@ -197,30 +200,33 @@ void attend(const float* q, const T* k, const T* v, const AttentionShape& s, int
         qs[g] = q + ((long)(kv * G + g) * s.rows + row) * s.head_dim;
         outs[g] = out + (long)g * s.head_dim;
     }
-    const long cache_head = (long)kv * s.cache_len * s.head_dim;
-    attend_group(qs, G, k + cache_head, v + cache_head, keys, s.head_dim, 1.0f / std::sqrt((float)s.head_dim),
-                 scores.data(), outs);
+    const long at = ((long)kv * s.cache_len + first) * s.head_dim;
+    attend_group(qs, G, k + at, v + at, keys, s.head_dim, 1.0f / std::sqrt((float)s.head_dim), scores.data(), outs);
 }
 
 template <int CH, typename T>
 void attend_block(const float* q, const T* k, const T* v, const AttentionShape& s, int kv, int r0, int r1,
                   float* out) {
     constexpr int hd = 16 * CH;
-    const int G = s.heads / s.kv_heads, last = (int)(s.start + r1), padded = (last + 15) / 16 * 16;
+    // the block's keys from its first row's first; 16 zero keys more, as a row's last 16-key chunk
+    // may start anywhere in them
+    const long first = first_key(s, s.start + r0 + 1), span = s.start + r1 - first;
+    const int G = s.heads / s.kv_heads, padded = (int)((span + 15) / 16 * 16 + 16);
     thread_local std::vector<float> kf, vf, p;
     kf.resize((size_t)padded * hd);
     vf.resize((size_t)padded * hd);
     p.resize(padded);
-    const long cache_head = (long)kv * s.cache_len * hd;
-    widen(k + cache_head, kf.data(), last, padded, hd);
-    widen(v + cache_head, vf.data(), last, padded, hd);
+    const long at = ((long)kv * s.cache_len + first) * hd;
+    widen(k + at, kf.data(), span, padded, hd);
+    widen(v + at, vf.data(), span, padded, hd);
     const float scale = 1.0f / std::sqrt((float)hd);
     for (int row = r0; row < r1; row++) {
-        const int keys = (int)(s.start + row + 1);
+        const long end = s.start + row + 1, own = first_key(s, end) - first;
+        const int keys = (int)(end - first - own);
         for (int g = 0; g < G; g++) {
-            scores<CH>(q + ((long)(kv * G + g) * s.rows + row) * hd, kf.data(), keys, scale, p.data());
+            scores<CH>(q + ((long)(kv * G + g) * s.rows + row) * hd, kf.data() + own * hd, keys, scale, p.data());
             const float inv = softmax(p.data(), keys);
-            values<CH>(p.data(), vf.data(), keys, inv, out + ((long)(row - r0) * G + g) * hd);
+            values<CH>(p.data(), vf.data() + own * hd, keys, inv, out + ((long)(row - r0) * G + g) * hd);
         }
     }
 }

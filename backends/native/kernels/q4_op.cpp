@@ -285,18 +285,20 @@ std::tuple<at::Tensor, at::Tensor> head_on(const at::Tensor& x_in, const at::Ten
 }
 
 // q [H, n, hd] (float32 or bfloat16) over the cache k, v [1, Hkv, L, hd], row i of q at position
-// start + i (attention_avx512.cpp) -> [1, H, n, hd] in q's dtype.
-at::Tensor attend_rows(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, int64_t start) {
+// start + i, over its last `window` keys where window > 0 (attention_avx512.cpp) -> [1, H, n, hd] in
+// q's dtype.
+at::Tensor attend_rows(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                       int64_t window) {
     TORCH_CHECK(has_avx512vnni(), "attend_rows: needs AVX512");
     TORCH_CHECK(q_in.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == 1, "attend_rows: shapes");
     TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == v.scalar_type() &&
                     (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
                 "attend_rows: the cache must be contiguous float32 or bfloat16");
     const int64_t H = q_in.size(0), n = q_in.size(1), hd = q_in.size(2), Hkv = k.size(1), L = k.size(2);
-    TORCH_CHECK(k.size(3) == hd && attention_fits((int)H, (int)Hkv, (int)hd) && start >= 0 && start + n <= L,
-                "attend_rows: shapes or positions do not fit");
+    TORCH_CHECK(k.size(3) == hd && attention_fits((int)H, (int)Hkv, (int)hd) && start >= 0 && start + n <= L &&
+                    window >= 0, "attend_rows: shapes or positions do not fit");
     const at::Tensor q = q_in.to(at::kFloat).contiguous();
-    const AttentionShape s{(int)H, (int)Hkv, (int)n, (int)hd, L, start};
+    const AttentionShape s{(int)H, (int)Hkv, (int)n, (int)hd, L, start, window};
     at::Tensor y = at::empty({1, H, n, hd}, q_in.options());
     const bool bf16_out = q_in.scalar_type() == at::kBFloat16, bf16_cache = k.scalar_type() == at::kBFloat16;
     const int64_t G = H / Hkv;
@@ -459,7 +461,7 @@ TORCH_LIBRARY(specchat, m) {
     m.def("head_choose(Tensor x, Tensor tiles, Tensor scale, Tensor norms, Tensor weight, float gamma, "
           "float own_gamma, float slack, float score_slack) -> Tensor");
     m.def("head_dots(Tensor x, Tensor weight, Tensor rows, Tensor ids) -> Tensor");
-    m.def("attend_rows(Tensor q, Tensor k, Tensor v, SymInt start) -> Tensor");
+    m.def("attend_rows(Tensor q, Tensor k, Tensor v, SymInt start, int window=0) -> Tensor");
     m.def("q4_isa() -> str", q4_isa);
     m.def("q4_isas() -> str[]", q4_isas);
 }
