@@ -103,6 +103,8 @@ class Step:
     row_exact: bool | None = None
     # Who guessed the drafts (a drafter's source name: "lookup", "suffix", "history", "mtp", ...); "" for none
     source: str = ""
+    # Why sources sat this pass out ("drafting paused: ..." from the gate, speculative/gate.py); "" when none did
+    paused: str = ""
 
     @property
     def n_tokens(self) -> int:
@@ -142,6 +144,9 @@ class Summary:
     # Per reply token, the most likely tokens there as (id, logprob) pairs, best first, where a
     # server reports them (None: not reported for that token, e.g. llama-server's accepted drafts).
     alternatives: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    # Passes on which the gate held a drafter back because its drafts did not pay, and the latest reason
+    paused_passes: int = 0
+    paused_note: str | None = None
 
     @property
     def decode_tok_s(self) -> float:
@@ -214,6 +219,9 @@ class StreamStats:
         s.token_ids.extend(step.token_ids)
         s.text += step.text
         s.pass_log.append((list(step.draft), step.n_tokens))
+        if step.paused:
+            s.paused_passes += 1
+            s.paused_note = step.paused
         if step.drafted:
             s.drafts += 1
             s.draft_tokens += step.drafted

@@ -107,6 +107,7 @@ class LiveStats:
     accepted_per_position: list[int] = field(default_factory=list)
     speculative_passes: int = 0
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted drafts by who guessed them
+    paused: str = ""  # why the gate holds drafting back now (the latest pass's Step.paused)
     summary: Optional[Summary] = None
 
     def add(self, step: Step, at: float) -> None:
@@ -116,6 +117,7 @@ class LiveStats:
         self.tokens += step.n_tokens
         self.passes += 1
         self.per_pass.append(step.n_tokens)
+        self.paused = step.paused
         if step.drafted:
             self.speculative_passes += 1
             tally_positions(self.drafts_per_position, self.accepted_per_position, step)
@@ -212,6 +214,8 @@ def stats_line(s: Summary, passes: bool = False, acceptance: bool = True, stop: 
     spec = speculation_note(s, acceptance=acceptance)
     if spec:
         parts.append(spec)
+    if s.paused_passes:
+        parts.append(paused_line(s))
     if stop or s.stop_reason != "eos":
         parts.append(f"stop: {s.stop_reason}")
     return " · ".join(parts)
@@ -228,7 +232,16 @@ def speculation_figures(live: LiveStats, remote: bool, positions: int = 8) -> st
     text = f" │ {live.mean_per_pass:.2f} tok/pass" + ("" if remote else f" (now {live.current_per_pass})")
     if live.acceptance_by_position:
         text += f" │ by pos {positions_line(live.acceptance_by_position, positions)}"
+    if summary is None and live.paused:
+        text += f" │ {live.paused}"
+    elif summary is not None and summary.paused_passes:
+        text += f" │ {paused_line(summary)}"
     return text
+
+
+def paused_line(s: Summary) -> str:
+    """How much of a reply the gate held drafting back, and its last reason (speculative/gate.py)."""
+    return f"paused {s.paused_passes} of {s.passes} passes ({s.paused_note})"
 
 
 # Fewer decoded tokens than this on either side and a speed-up is noise (a 10-token reply read

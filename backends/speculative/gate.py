@@ -77,3 +77,19 @@ class DraftGate:
         avg = self.plain if source is None else self.sources.setdefault(source, _Average())
         probe = source is not None and source in self._paused_passes
         avg.add(tokens, None if probe else seconds, self.alpha)
+
+    def why_paused(self, paused: frozenset[str], every: bool = True) -> str:
+        """The line a person sees while the gate holds sources back (empty when none is, or for a
+        baseline pass): per paused source, the tokens its drafted passes bring and the tokens a
+        drafted pass must bring to be as fast as plain passes, which cost `plain.seconds` each
+        (`every`: no source drafts this pass, else the others still do)."""
+        if ALL in paused or not paused or self.plain.seconds <= 0:
+            return ""
+        parts = []
+        for name in sorted(paused):
+            avg = self.sources.get(name)
+            if avg is None or avg.seconds <= 0:
+                continue
+            needed = avg.seconds / self.plain.seconds * self.plain.tokens  # a drafted pass, in plain passes' tokens
+            parts.append(f"{name} {avg.tokens:.2f} tok/drafted pass, {needed:.2f} needed to pay")
+        return ("drafting paused: " if every else "paused: ") + "; ".join(parts) if parts else ""

@@ -188,13 +188,13 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
     drafter.start(prompt, hidden, sampling, start)
 
     def emit(new: list[int], draft: list[int], accepted: int, row_exact: bool,
-             source: str = "") -> tuple[Optional[Step], bool]:
+             source: str = "", paused: str = "") -> tuple[Optional[Step], bool]:
         """The pass's tokens up to any end-of-sequence token; a pass that only ends the reply
         is not counted, as in target-only decoding."""
         cut = next((i for i, t in enumerate(new) if t in target.eos_ids), None)
         kept = new if cut is None else new[:cut]
         step = stats.add(Step(kept, detok.add(kept), len(draft), min(accepted, len(kept)), draft=list(draft),
-                              row_exact=row_exact, source=source)) if kept else None
+                              row_exact=row_exact, source=source, paused=paused)) if kept else None
         return step, cut is not None
 
     step, hit_eos = emit([first], [], 0, True)
@@ -218,9 +218,12 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
             reason = STOP_CONTEXT_FULL
             break
         k = max(0, min(depth, sampling.max_tokens - produced - 1, room))
+        why = ""
         if gate is not None:
             drafter.paused = gate.plan()
-            if ALL in drafter.paused or all(source in drafter.paused for source in drafter.sources):
+            every = ALL in drafter.paused or all(source in drafter.paused for source in drafter.sources)
+            why = gate.why_paused(drafter.paused, every)
+            if every:
                 k = 0
         started = time.perf_counter()
         draft = drafter.propose(tokens, k) if k else Draft([])
@@ -253,7 +256,7 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
         if gate is not None:
             gate.record(source or None, len(new), time.perf_counter() - started)
         # a block of one row is a single-token pass; more rows are one only with strict verification
-        step, hit_eos = emit(new, d, verdict.accepted, strict or not d, source)
+        step, hit_eos = emit(new, d, verdict.accepted, strict or not d, source, why)
         if step is not None:
             yield step
         if hit_eos:

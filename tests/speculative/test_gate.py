@@ -139,6 +139,22 @@ def test_a_drafter_that_never_pays_sits_out_and_the_reply_is_the_same(target):
     assert always.passes > 30 and gated.passes <= always.passes // 3
 
 
+def test_a_paused_drafter_says_so_and_why(target):
+    request, sampling = Request(messages=PROMPTS[0]), Sampling(max_tokens=48)
+    out = run_to_summary(fresh(SpeculativeBackend(target, SlowAndWrong(), 2, adaptive=True)).stream(request, sampling))
+    assert out.paused_passes > out.passes // 2
+    assert out.paused_note.startswith("drafting paused: slow 1.00 tok/drafted pass, ")
+    needed = float(out.paused_note.split(", ")[1].split()[0])
+    assert needed > 2  # a 50 ms proposal costs several plain passes of the tiny target
+
+
+def test_the_reason_names_only_the_sources_held_back():
+    gate = DraftGate(warmup=3, probe=4, baseline_every=1000)
+    drive(gate, "mtp", 1, 0.012, 10)
+    assert gate.why_paused(frozenset({ALL})) == ""  # a baseline pass holds nothing back
+    assert gate.why_paused(frozenset({"mtp"}), every=False) == "paused: mtp 1.00 tok/drafted pass, 1.20 needed to pay"
+
+
 class RandomGate(DraftGate):
     """Pauses a random subset of sources every pass: any pattern of drafting and sitting out."""
 

@@ -25,9 +25,9 @@ LOOP_BUGS = {
         ("target.forward([tokens[-1]] + d, n - 1, layers, row_exact=strict, head=False)",
          "target.forward([tokens[-1]] + d, len(target.cached), layers, row_exact=strict, head=False)")],
     "bonus token dropped": [
-        ("step, hit_eos = emit(new, d, verdict.accepted, strict or not d, source)",
+        ("step, hit_eos = emit(new, d, verdict.accepted, strict or not d, source, why)",
          "step, hit_eos = emit(new[:-1] if d and verdict.accepted == len(d) else new, d, verdict.accepted, strict or not d,"
-         " source)")],
+         " source, why)")],
     "target verified at the wrong positions": [
         ("positions = list(range(n, n + len(d) + 1))", "positions = list(range(n + 1, n + len(d) + 2))")],
 }
