@@ -3,11 +3,12 @@
     config.py       ModelConfig: a checkpoint's shape, from its own config
     layers.py       the transformer, written once: RMSNorm, RoPE, Attention, GatedMLP, DecoderLayer
     linear.py       Linear: dense, int4 (with a dense copy for prefill) or float32 in row pairs
+    matrix.py       a checkpoint's matrices (floats, Int4Rows, GGUF blocks) as one Linear on the right kernel
     int4.py         Int4Rows (GGUF Q4 blocks) and torch's CPU int4 kernel
     model.py        Transformer: forward over K tokens at absolute positions, with its KV cache
     exact_rows.py   row-exact passes on CPU: verify rows with the bits of single-token passes
     weights.py      Checkpoint, the Hugging Face loader and name map, build_model
-    gguf_loader.py  GGUF -> Checkpoint (dequantized, or Q4 blocks kept for the int4 kernel)
+    gguf_loader.py  GGUF -> Checkpoint (llama, qwen2, qwen3, qwen3moe, gemma3; blocks kept for the kernels)
     memory_plan.py  what a dtype: int4 load of a checkpoint directory holds (planned and counted)
     tokenizer.py    ChatTokenizer: the model's own tokenizer and chat template via transformers
     sampling.py     greedy and position-keyed Gumbel-max sampling; probs() for rejection sampling

@@ -17,6 +17,8 @@ COMPLETE = "is this a complete Hugging Face model directory? fix the file or dow
 # layer types (config.json `layer_types`) the engine runs; any other is refused by name
 ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 LAYER_TYPES = (ATTENTION, LINEAR_ATTENTION)
+# attention over a row's last `sliding_window` keys (Gemma 3), read from GGUF metadata only so far
+SLIDING_ATTENTION = "sliding_attention"
 # model types whose norms are zero-centred (weight stored as w, applied as 1 + w) and whose attention
 # has the sigmoid output gate: the Qwen3.5 / Qwen3-Next hybrids
 GATED_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -61,10 +63,26 @@ class ModelConfig:
     rotary_dim: int = 0  # leading dims of a head that RoPE rotates (0: all of them); partial_rotary_factor
     output_gate: bool = False  # q_proj also yields a sigmoid gate on the attention output (gated attention)
     zero_centred: bool = False  # norms stored as w, applied as 1 + w (folded in at load)
-    layer_types: tuple[str, ...] = ()  # per layer ATTENTION or LINEAR_ATTENTION; () means all attention
+    layer_types: tuple[str, ...] = ()  # per layer ATTENTION, LINEAR_ATTENTION or SLIDING_ATTENTION; (): attention
     linear: LinearAttentionShape | None = None  # the linear-attention layers' shape, if any
     moe: "MoeShape | None" = None  # the routed-expert MLPs' shape and placement, if any
+    sliding_window: int = 0  # the keys a SLIDING_ATTENTION layer's row sees, its own included
+    rope_local_theta: float = 0.0  # the sliding layers' RoPE base, never scaled (0: rope_theta)
+    embed_scale: float = 1.0  # looked-up embedding rows times this (Gemma: sqrt(dim))
+    query_scale: float = 0.0  # attention scores' scale (0: 1 / sqrt(head_dim))
+    gelu: bool = False  # the MLP's gate through GELU's tanh form (Gemma), not SiLU
+    logit_softcap: float = 0.0  # logits as cap * tanh(logits / cap), where above 0
     extra: dict = field(default_factory=dict)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends over a sliding window of keys rather than all of them."""
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING_ATTENTION
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the engine builds compiled decode graphs for it: not yet where a row's experts
+        depend on its values (an exported graph would run every expert) nor for sliding windows."""
+        return self.moe is None and not self.sliding_window
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a mixture of routed experts rather than dense."""

@@ -107,6 +107,9 @@ class TorchBackend(Backend):
         if ck.cfg.moe and compile:
             no_graphs = (f"{path.name} is a mixture-of-experts model, whose compiled decode graphs specchat does "
                          "not build yet; set compile: false")
+        elif ck.cfg.sliding_window and compile:
+            no_graphs = (f"{path.name} has sliding-window attention layers, for which specchat does not build "
+                         "compiled decode graphs yet; set compile: false")
         elif ck.cfg.hybrid and compile and (rollback == "replay" or self.device.type != "cpu"  # graph_state.py
                                             or self.precision not in ROW_INVARIANT_PRECISIONS):
             no_graphs = (f"{path.name} is a hybrid (linear-attention) model, whose compiled decode graphs run on CPU "

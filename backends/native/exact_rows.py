@@ -54,11 +54,14 @@ def key_span(end: int, max_len: int) -> int:
     return min(-(-end // ATTENTION_PAD) * ATTENTION_PAD, max_len)
 
 
-def key_mask(ends: Tensor, n_keys: int, dtype: torch.dtype, heads: tuple[int, int] = (1, 1)) -> Tensor:
-    """Additive mask for rows over n_keys keys, row i seeing keys [0, ends[i]), laid out for
-    `attend_rows` over heads = (Hkv, G): kv heads, query heads per kv head. One row:
-    [1, 1, 1, n_keys]; n rows: [1, 1, n * G, n_keys] when G > 1, [1, Hkv * n, 1, n_keys] when G == 1."""
-    visible = torch.arange(n_keys, device=ends.device)[None, :] < ends[:, None]
+def key_mask(ends: Tensor, n_keys: int, dtype: torch.dtype, heads: tuple[int, int] = (1, 1),
+             window: int = 0) -> Tensor:
+    """Additive mask for rows over n_keys keys, row i seeing keys [0, ends[i]) (its last `window` of
+    them where window > 0: a sliding-window layer), laid out for `attend_rows` over heads = (Hkv, G):
+    kv heads, query heads per kv head. One row: [1, 1, 1, n_keys]; n rows: [1, 1, n * G, n_keys] when
+    G > 1, [1, Hkv * n, 1, n_keys] when G == 1."""
+    keys = torch.arange(n_keys, device=ends.device)[None, :]
+    visible = (keys < ends[:, None]) & (keys >= ends[:, None] - window if window else True)
     mask = torch.zeros(visible.shape, dtype=dtype, device=ends.device).masked_fill_(~visible, float("-inf"))
     n = len(ends)
     if n == 1:
@@ -74,12 +77,14 @@ class RowGroup(NamedTuple):
     hi: int
     n_keys: int  # their key span
     mask: Tensor  # from key_mask
+    window_mask: Tensor | None = None  # the same for a sliding-window layer's rows
 
 
 def row_groups(start: int, K: int, max_len: int, device: torch.device, dtype: torch.dtype,
-               heads: tuple[int, int] = (1, 1)) -> list[RowGroup]:
+               heads: tuple[int, int] = (1, 1), window: int = 0) -> list[RowGroup]:
     """Rows start..start+K-1 grouped by key span, masks laid out for `attend_rows` over
-    heads = (n_kv_heads, query heads per kv head)."""
+    heads = (n_kv_heads, query heads per kv head), and for `window` where the model has
+    sliding-window layers."""
     ends = list(range(start + 1, start + K + 1))
     groups, lo = [], 0
     while lo < K:
@@ -87,8 +92,9 @@ def row_groups(start: int, K: int, max_len: int, device: torch.device, dtype: to
         hi = lo
         while hi < K and key_span(ends[hi], max_len) == n_keys:
             hi += 1
-        groups.append(RowGroup(lo, hi, n_keys, key_mask(torch.tensor(ends[lo:hi], device=device), n_keys, dtype,
-                                                        heads)))
+        rows = torch.tensor(ends[lo:hi], device=device)
+        groups.append(RowGroup(lo, hi, n_keys, key_mask(rows, n_keys, dtype, heads),
+                               key_mask(rows, n_keys, dtype, heads, window) if window else None))
         lo = hi
     return groups
 
@@ -118,13 +124,13 @@ def _rows_to_pad(rows: int) -> int:
 
 
 def attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: Tensor,
-                mode: str = "shared", start: int = 0) -> Tensor:
+                mode: str = "shared", start: int = 0, window: int = 0) -> Tensor:
     """q [H, n, hd] as n rows over cache[:n_keys] (mask from `key_mask`), each as its single-token
     pass computes it, reading the cache in place; returns [1, H, n, hd]. Row i is at position
     start + i.
 
     With mode KERNEL_MODE, specchat's attention kernel takes each row over keys [0, start + i]
-    alone (the mask and key count are not needed).
+    alone, the last `window` of them where window > 0 (the mask and key count are not needed).
 
     With G = H / Hkv > 1 query heads per kv head a single-token pass is already a G-row query per
     kv head, and a block's rows join it as more query rows ([1, Hkv, n * G, hd]); with G == 1 each
@@ -137,7 +143,7 @@ def attend_rows(q: Tensor, cache_k: Tensor, cache_v: Tensor, n_keys: int, mask: 
       a call of its own.
     - "separate": each row the call a single-token pass makes (a row costs a call)."""
     if mode == KERNEL_MODE:
-        return torch.ops.specchat.attend_rows(q, cache_k, cache_v, start)
+        return torch.ops.specchat.attend_rows(q, cache_k, cache_v, start, window)
     H, n, hd = q.shape
     Hkv = cache_k.shape[1]
     G = H // Hkv
@@ -314,7 +320,7 @@ class CompiledRowGraphs:
         """x [K, dim] embedded rows at start_pos..; returns the last layer's output and the outputs
         of `layers`."""
         xs, hiddens = [], []
-        for lo, hi, n_keys, mask in groups:
+        for lo, hi, n_keys, mask, _ in groups:  # no window: sliding-window models have no graphs (config.py)
             # whole inputs, not views: a view's storage offset would become one more guarded symbol
             rows = x if len(groups) == 1 else x[lo:hi].clone()
             out, every = self._run(rows, start_pos + lo, n_keys, mask, bool(layers))  # every: {layer: output}
@@ -346,8 +352,8 @@ class CompiledRowGraphs:
         ran before), and writes the cache at the rows' positions."""
         m = self.model
         K, pos = (1, 5) if variant.one_row else (3, 6)
-        lo, hi, n_keys, mask = row_groups(pos, K, m.max_len, m.device, m.cache_dtype,
-                                          (m.cfg.n_kv_heads, m.cfg.n_heads // m.cfg.n_kv_heads))[0]
+        lo, hi, n_keys, mask, _ = row_groups(pos, K, m.max_len, m.device, m.cache_dtype,
+                                             (m.cfg.n_kv_heads, m.cfg.n_heads // m.cfg.n_kv_heads))[0]
         for cache in m.cache.k + m.cache.v:
             if cache is not None:
                 cache[:, :, :n_keys].zero_()

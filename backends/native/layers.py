@@ -44,12 +44,14 @@ class RMSNorm(nn.Module):
 
 # ---- rotary position embedding ----
 
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Inverse frequencies of the rotated dims, with the checkpoint's scaling (llama3, linear, GGUF factors)."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> Tensor:
+    """Inverse frequencies of the rotated dims, with the checkpoint's scaling (llama3, linear, GGUF
+    factors); `local`: the sliding-window layers', from their own base and never scaled (Gemma 3)."""
     dim = cfg.rotated
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    theta = (cfg.rope_local_theta or cfg.rope_theta) if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = cfg.rope_scaling
-    if s is None:
+    if s is None or local:
         return inv
     kind = s["rope_type"]
     if kind == "linear":
@@ -102,6 +104,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.output_gate = cfg.output_gate
+        # every attention path scales scores by 1 / sqrt(head_dim); a model scaling them otherwise
+        # (Gemma's query_pre_attn_scalar) has its queries carry the ratio
+        self.q_mult = cfg.query_scale * math.sqrt(cfg.head_dim) if cfg.query_scale else 1.0
         self.qkv, self.o = qkv, o
         self.q_norm = RMSNorm(q_norm, cfg.norm_eps, zero_centred) if q_norm is not None else None
         self.k_norm = RMSNorm(k_norm, cfg.norm_eps, zero_centred) if k_norm is not None else None
@@ -125,7 +130,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[..., :H, :]), self.k_norm(qk[..., H:, :])], dim=-2)
         qk = apply_rope(qk, cos, sin)
-        return qk[..., :H, :], qk[..., H:, :], v, gate
+        q = qk[..., :H, :] if self.q_mult == 1.0 else qk[..., :H, :] * self.q_mult
+        return q, qk[..., H:, :], v, gate
 
     def output(self, a: Tensor, gate: Tensor | None, dtype: torch.dtype, exact: bool = False) -> Tensor:
         """Attention output a [..., T, H * hd] -> [..., T, dim] (gated first, if the layer is)."""
@@ -140,40 +146,52 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(h)) * up(h)), gate and up in one matmul."""
+    """SwiGLU: down(silu(gate(h)) * up(h)), gate and up in one matmul; with `gelu`, GELU's tanh form
+    in place of silu (Gemma's GeGLU)."""
 
-    def __init__(self, gate_up: Linear, down: Linear):
+    def __init__(self, gate_up: Linear, down: Linear, gelu: bool = False):
         super().__init__()
-        self.gate_up, self.down = gate_up, down
+        self.gate_up, self.down, self.gelu = gate_up, down, gelu
 
     def forward(self, h: Tensor, exact: bool = False) -> Tensor:
         gate, up = self.gate_up(h, exact).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up, exact)
+        return self.down((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up, exact)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual layer: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual layer: x + attention(norm(x)), then x + mlp(norm(x)); where the model has
+    them (Gemma), each branch's output is normed again before it is added (`attn_post_norm`,
+    `mlp_post_norm`)."""
 
-    def __init__(self, attn_norm: RMSNorm, attention: Attention, mlp_norm: RMSNorm, mlp: GatedMLP):
+    def __init__(self, attn_norm: RMSNorm, attention: Attention, mlp_norm: RMSNorm, mlp: GatedMLP,
+                 attn_post_norm: RMSNorm | None = None, mlp_post_norm: RMSNorm | None = None):
         super().__init__()
         self.attn_norm, self.attention, self.mlp_norm, self.mlp = attn_norm, attention, mlp_norm, mlp
+        self.attn_post_norm, self.mlp_post_norm = attn_post_norm, mlp_post_norm
 
     def forward(self, x: Tensor, attend: Attend, cos: Tensor, sin: Tensor, dtype: torch.dtype,
                 exact: bool = False) -> Tensor:
         """x: the float32 residual stream [..., T, dim]; `exact`: every matmul row as a
         single-token pass computes it (see exact_rows.py)."""
-        x = x + self.attention(self.attn_norm(x).to(dtype), attend, cos, sin, dtype, exact)
+        a = self.attention(self.attn_norm(x).to(dtype), attend, cos, sin, dtype, exact)
+        x = x + (a if self.attn_post_norm is None else self.attn_post_norm(a.float()))
         return self.feed_forward(x, dtype, exact)
 
     def feed_forward(self, x: Tensor, dtype: torch.dtype, exact: bool = False) -> Tensor:
-        return x + self.mlp(self.mlp_norm(x).to(dtype), exact)
+        m = self.mlp(self.mlp_norm(x).to(dtype), exact)
+        return x + (m if self.mlp_post_norm is None else self.mlp_post_norm(m.float()))
 
 
 def decoder_layer(cfg: ModelConfig, w: dict, zero_centred: bool = False) -> DecoderLayer:
     """A layer from prepared weights: Linear `qkv`, `o`, `gate_up`, `down` (or a ready `mlp`: routed
-    experts, moe.py); norm tensors
-    `attn_norm`, `mlp_norm` and optionally `q_norm`, `k_norm` (see weights.build_layer)."""
+    experts, moe.py); norm tensors `attn_norm`, `mlp_norm` and optionally `q_norm`, `k_norm`,
+    `attn_post_norm`, `mlp_post_norm` (see weights.build_layer)."""
     eps = cfg.norm_eps
-    return DecoderLayer(RMSNorm(w["attn_norm"], eps, zero_centred),
-                        Attention(cfg, w["qkv"], w["o"], w.get("q_norm"), w.get("k_norm"), zero_centred),
-                        RMSNorm(w["mlp_norm"], eps, zero_centred), w.get("mlp") or GatedMLP(w["gate_up"], w["down"]))
+
+    def norm(key: str) -> RMSNorm | None:
+        return RMSNorm(w[key], eps, zero_centred) if w.get(key) is not None else None
+
+    attention = Attention(cfg, w["qkv"], w["o"], w.get("q_norm"), w.get("k_norm"), zero_centred)
+    mlp = w.get("mlp") or GatedMLP(w["gate_up"], w["down"], cfg.gelu)
+    return DecoderLayer(norm("attn_norm"), attention, norm("mlp_norm"), mlp, norm("attn_post_norm"),
+                        norm("mlp_post_norm"))

@@ -35,7 +35,8 @@ TILE_BYTES = {"Q4_0": 320 / 512, "Q4_1": 320 / 512, "Q8_0": 544 / 512, "Q4_K": 2
 BLOCK_INPUTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q5_0": 32, "Q5_1": 32,
                 "IQ4_NL": 32, "IQ4_XS": 256}
 Q4_TYPES = ("Q4_0", "Q4_1")  # Int4Rows on the 4-bit kernel: the bfloat16 copy, never the head's tiles
-GGUF_MATRICES = re.compile(r"blk\.\d+\.(?:attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
+# a layer's matrices, routed experts' stacks ([experts, rows, inputs]) included
+GGUF_MATRICES = re.compile(r"blk\.\d+\.(?:attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)(?:_exps)?\.weight")
 
 INT4_BYTES = 0.625  # a weight: 4 bits, plus a 16-bit scale and offset per 32 (q4_kernel.pack, torch's pack)
 HEAD_ROW_BYTES = 14  # the argmax head's per-token scale (bfloat16 and float32) and two float32 norms
@@ -108,7 +109,8 @@ def gguf_bytes(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> int:
     past HEAD_FLOAT_MAX_BYTES, else float32 with the int8 copy; norms float32."""
     total = copies = 0.0
     for name, (qtype, shape) in tensors.items():
-        n, rows, inputs = math.prod(shape), shape[-1], shape[0]  # GGUF lists the innermost dimension first
+        # GGUF lists the innermost dimension first; a stack of experts' matrices the experts last
+        n, rows, inputs = math.prod(shape), shape[1] if len(shape) > 1 else 1, shape[0]
         if GGUF_MATRICES.fullmatch(name):
             if tiles_fit(qtype, rows, inputs):
                 total += TILE_BYTES[qtype] * n

@@ -1,5 +1,6 @@
-"""The decoder-only transformer of the Llama family (SmolLM2, Llama 3.x, Qwen2/2.5, Qwen3), built
-from layers.py, with its KV cache.
+"""The decoder-only transformer of the Llama family (SmolLM2, Llama 3.x, Qwen2/2.5, Qwen3, their
+mixture-of-experts forms, Gemma 3 with its sliding-window layers), built from layers.py, with its
+KV cache.
 
 The cache is preallocated per layer as [1, n_kv, max_len (+ 1: see KVCache), head_dim] and indexed by absolute
 position, so rolling back after a rejected draft is setting a shorter length. A pass runs K
@@ -107,16 +108,18 @@ def entries_attention(cache: KVCache, start: int, K: int) -> tuple[Attend, slice
     return cached_attention(cache, 0, slice(start, end), end, mask), slice(start, end)
 
 
-def group_attention(cache: KVCache, layer: int, write: slice, groups: list[RowGroup], mode: str) -> Attend:
+def group_attention(cache: KVCache, layer: int, write: slice, groups: list[RowGroup], mode: str,
+                    window: int = 0) -> Attend:
     """Attention of K rows each as its single-token pass computes it (exact_rows.attend_rows), one
-    call per row group, after writing their keys and values at `write`."""
+    call per row group, after writing their keys and values at `write`; `window`: a sliding-window
+    layer's."""
     k_cache, v_cache = cache.k[layer], cache.v[layer]
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache.write(layer, write, k, v)
         qh = q.transpose(0, 1).to(k_cache.dtype)  # [H, K, hd]
-        parts = [attend_rows(qh[:, g.lo:g.hi], k_cache, v_cache, g.n_keys, g.mask, mode, write.start + g.lo)
-                 for g in groups]
+        parts = [attend_rows(qh[:, g.lo:g.hi], k_cache, v_cache, g.n_keys, g.window_mask if window else g.mask, mode,
+                             write.start + g.lo, window) for g in groups]
         a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         return a[0].transpose(0, 1).reshape(q.shape[0], -1)
 
@@ -146,6 +149,7 @@ class Transformer(nn.Module):
         # keeps its recurrent state at the pass's start and end as turn checkpoints (recurrent_state.py)
         self.prefilling = False
         self.inv_freq = rope_inv_freq(cfg)
+        self.local_inv_freq = rope_inv_freq(cfg, local=True) if cfg.sliding_window else None
         self.setup_cache(max_len)
         # how a row-exact pass shares attention calls between rows (exact_rows.ATTENTION_MODES)
         self.attention_mode = "shared"
@@ -184,6 +188,8 @@ class Transformer(nn.Module):
         """(Re)allocate the KV cache for `max_len` positions and the RoPE tables to match."""
         self.cache = KVCache(self.cfg, max_len, self.cache_dtype, self.device, self.rollback, self.rollback_span)
         self.rope_cos, self.rope_sin = rope_tables(self.inv_freq, max_len, self.device, self.rope_dtype)
+        self.local_rope = (None if self.local_inv_freq is None else  # the sliding-window layers' (layers.py)
+                           rope_tables(self.local_inv_freq, max_len, self.device, self.rope_dtype))
         if self.compiled is not None:
             self.compiled.cache_changed()
 
@@ -256,6 +262,8 @@ class Transformer(nn.Module):
             raise ValueError(f"positions {start_pos}..{end} do not fit a cache of length "
                              f"{self.cache.length} / {self.cache.max_len}")
         x = self.embed[tokens.reshape(-1)].float()
+        if self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
         layers = tuple(hidden_layers)
         self.prefilling = K > 1 and not all_logits
         if self.static:
@@ -267,7 +275,7 @@ class Transformer(nn.Module):
             x, hidden = self._static_pass(x, write, self.cache.max_len, mask, frozenset(layers))
         elif K == 1 or row_exact:
             groups = row_groups(start_pos, K, self.cache.max_len, self.device, self.cache_dtype,
-                                (self.cfg.n_kv_heads, self.cfg.n_heads // self.cfg.n_kv_heads))
+                                (self.cfg.n_kv_heads, self.cfg.n_heads // self.cfg.n_kv_heads), self.cfg.sliding_window)
             # compiled graphs give rows their bits only with shared attention calls, padded or not (a
             # call per row would specialize the graph on the number of rows): without, exact blocks run
             # eager; a hybrid's rows go through the one-row graph one by one (graph_state.py)
@@ -298,6 +306,10 @@ class Transformer(nn.Module):
         `mask`, or with `groups` each row as its single-token pass computes it. A hybrid's linear
         layers carry their state from the cache's length to `span`."""
         cos, sin = self.rope_cos[write], self.rope_sin[write]
+        window = self.cfg.sliding_window
+        if window:
+            local = self.local_rope[0][write], self.local_rope[1][write]
+            local_mask = None if groups is not None else self.window_mask(write, span)
         hidden: dict[int, Tensor] = {}
         recurrent = self.cache.recurrent
         chunked = groups is None and x.shape[0] > CHUNKED_FROM
@@ -308,6 +320,12 @@ class Transformer(nn.Module):
             if isinstance(layer, RecurrentDecoderLayer):
                 x = layer(x, recurrent, linear, self.dtype, groups is not None, chunked)
                 linear += 1
+            elif self.cfg.is_sliding(i):
+                if groups is None:
+                    attend = cached_attention(self.cache, i, write, span, local_mask)
+                else:
+                    attend = group_attention(self.cache, i, write, groups, self.attention_mode, window)
+                x = layer(x, attend, *local, self.dtype, groups is not None)
             else:
                 if groups is None:
                     attend = cached_attention(self.cache, i, write, span, mask)
@@ -320,9 +338,20 @@ class Transformer(nn.Module):
             recurrent.end(span)
         return x, hidden
 
+    def window_mask(self, write: slice | Tensor, span: int) -> Tensor:
+        """Additive mask of a sliding-window layer's rows at `write` over keys [0, span): each row
+        sees its own key and the sliding_window - 1 before it."""
+        rows = torch.arange(write.start, write.stop, device=self.device) if isinstance(write, slice) else write
+        keys = torch.arange(span, device=self.device)[None, :]
+        hidden = (keys > rows[:, None]) | (keys <= rows[:, None] - self.cfg.sliding_window)
+        return torch.zeros(hidden.shape, dtype=self.cache_dtype, device=self.device).masked_fill_(hidden, float("-inf"))
+
     def logits(self, states: Tensor) -> Tensor:
-        """float32 logits [K, vocab] for final hidden states [K, dim] (after the norm)."""
-        return self.head(states.to(self.head_dtype)).float()
+        """float32 logits [K, vocab] for final hidden states [K, dim] (after the norm), soft-capped
+        where the model caps them."""
+        logits = self.head(states.to(self.head_dtype)).float()
+        cap = self.cfg.logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def choose(self, states: Tensor, positions: Sequence[int], s: Sampling, allowed: Tensor | None = None) -> Tensor:
         """The sampler's token for each row of final hidden states: `sample(logits(states))`, through

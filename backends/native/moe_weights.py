@@ -28,8 +28,10 @@ from ..base import BackendError
 from ..weight_files import open_safetensors
 from .config import COMPLETE, MoeShape
 from .int4 import Int4Rows, Matrix, int4_linear
+from .kquant import QuantRows
 from .layers import GatedMLP
 from .linear import Linear
+from .matrix import as_linear
 from .moe import Router, RoutedExperts
 
 EXPERTS = "mlp.experts."
@@ -81,6 +83,10 @@ class ExpertWeights:
             gate, up = self.reader.row(self.prefix + FUSED["gate_up"], e).chunk(2, dim=0)
             return gate, up, self.reader.row(self.prefix + FUSED["down"], e)
         return tuple(self.reader.get(f"{self.prefix}mlp.experts.{e}.{part}_proj.weight") for part in ("gate", "up", "down"))
+
+    def file_blocks(self) -> list:
+        """Nothing mapped from the file to hand back (a GGUF's experts have: gguf_loader.GgufExperts)."""
+        return []
 
 
 def is_expert_tensor(name: str) -> bool:
@@ -156,6 +162,8 @@ def _check(t, want: tuple[int, ...], name: str, source: str) -> None:
 
 
 def _matrix(parts: list[Matrix], dtype: torch.dtype, int4: bool, device: torch.device) -> Linear:
+    if any(isinstance(p, QuantRows) for p in parts):  # a GGUF's experts: on its dense matrices' kernels
+        return as_linear(parts, [None] * len(parts), dtype, int4, device)
     if int4 and all(isinstance(p, Int4Rows) for p in parts):  # a shared expert quantized when read
         return int4_linear(parts[0] if len(parts) == 1 else Int4Rows.cat(parts))
     parts = [p.dequantize() if isinstance(p, Int4Rows) else p for p in parts]
@@ -168,7 +176,7 @@ def _matrix(parts: list[Matrix], dtype: torch.dtype, int4: bool, device: torch.d
 
 def build_moe(layer: dict, shape: MoeShape, dtype: torch.dtype, int4: bool, device: torch.device) -> RoutedExperts:
     """The MLP `read_moe_layer` read, its experts now read one at a time and put in compute form."""
-    source: ExpertWeights = layer["experts"]
+    source: ExpertWeights = layer["experts"]  # or a GGUF's (gguf_loader.GgufExperts): the same methods
     experts = []
     for e in range(source.count):
         gate, up, down = source.matrices(e)

@@ -11,7 +11,6 @@ DFlash drafters and the trainers' exports use it too.
 """
 from __future__ import annotations
 
-import logging
 import re
 import sys
 from contextlib import contextmanager, nullcontext
@@ -27,17 +26,17 @@ from . import argmax_head
 from .config import COMPLETE, ModelConfig, MoeShape, read_hf_config
 from .gated_delta import recurrent_layer
 from .int4 import Int4Rows, Matrix, int4_linear, quantize_layer
-from .kquant import QuantRows, as_int4, float_embedding, head_on_tiles, is_q4, kquant_linear
+from .kquant import QuantRows, float_embedding, head_on_tiles, is_q4
 from .layers import DecoderLayer, decoder_layer
 from .linear import Linear
+from .matrix import as_linear
 from .memory_plan import DENSE_COPY_MAX_BYTES, page_out, return_freed_memory
 from .model import Transformer
 from .moe_weights import MOE_MARKERS, TensorReader, build_moe, is_expert_tensor, moe_layer_names, read_moe_layer
 
-log = logging.getLogger(__name__)
-
 LAYER_KEYS = ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm")
-OPTIONAL_KEYS = ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
+OPTIONAL_KEYS = ("q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "attn_post_norm", "mlp_post_norm")
+NORM_KEYS = ("q_norm", "k_norm", "attn_post_norm", "mlp_post_norm")  # optional norms (Qwen3's q/k, Gemma's post)
 
 
 @dataclass
@@ -260,30 +259,6 @@ def refuse_unknown(path: Path, names: set[str]) -> None:
 
 # ---- building the model ----
 
-def _linear(parts: list[Matrix], biases: list[Tensor | None], dtype: torch.dtype, int4: bool,
-            device: torch.device, dense_copy: bool = False) -> Linear:
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([b if b is not None else torch.zeros(_rows(p)) for b, p in zip(biases, parts)])
-        bias = bias.to(device, dtype)
-    parts = [as_int4(p) for p in parts]  # a GGUF's Q4 blocks, decoded as their layer is built
-    if int4 and all(isinstance(p, Int4Rows) for p in parts):
-        return int4_linear(Int4Rows.cat(parts) if len(parts) > 1 else parts[0], bias, dense_copy)
-    if int4 and all(isinstance(p, (Int4Rows, QuantRows)) for p in parts):
-        own = kquant_linear(parts, bias)  # GGUF's Q8_0 / K-quant blocks, a type a segment
-        if own is not None:
-            return own
-        log.warning("a %s matrix does not fit specchat's kernels here; it runs as floats",
-                    "/".join(sorted({p.type for p in parts if isinstance(p, QuantRows)})))
-    mats = [p.dequantize() if isinstance(p, (Int4Rows, QuantRows)) else p for p in parts]
-    dense = mats[0] if len(mats) == 1 else torch.cat(mats)  # a tied float32 head shares the embedding
-    return Linear(dense.to(device, dtype).contiguous(), bias)
-
-
-def _rows(m: Matrix) -> int:
-    return m.q.shape[0] if isinstance(m, Int4Rows) else m.rows if isinstance(m, QuantRows) else m.shape[0]
-
-
 def drafting_head(model: Transformer) -> Linear:
     """The target's LM head for drafters: on an int4 target, an int4 copy of it (a full-vocabulary
     head is a drafter's largest cost, and guesses need no float32 logits); else the head itself."""
@@ -301,8 +276,8 @@ def build_mlp(layer: dict, dtype: torch.dtype, int4: bool, device: torch.device,
     where the layer has them; else the dense SwiGLU's `gate_up` and `down`."""
     if "experts" in layer:
         return {"mlp": build_moe(layer, moe, dtype, int4, device)}
-    return {"gate_up": _linear([layer["gate"], layer["up"]], [None, None], dtype, int4, device, dense_copy),
-            "down": _linear([layer["down"]], [None], dtype, int4, device, dense_copy)}
+    return {"gate_up": as_linear([layer["gate"], layer["up"]], [None, None], dtype, int4, device, dense_copy),
+            "down": as_linear([layer["down"]], [None], dtype, int4, device, dense_copy)}
 
 
 def build_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device: torch.device,
@@ -311,14 +286,13 @@ def build_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bool, device
     as the weights `layers.decoder_layer` takes."""
     b = {
         "attn_norm": layer["attn_norm"].float().to(device), "mlp_norm": layer["mlp_norm"].float().to(device),
-        "qkv": _linear([layer["q"], layer["k"], layer["v"]],
-                       [layer.get("q_bias"), layer.get("k_bias"), layer.get("v_bias")], dtype, int4, device,
-                       dense_copy),
-        "o": _linear([layer["o"]], [None], dtype, int4, device, dense_copy),
+        "qkv": as_linear([layer["q"], layer["k"], layer["v"]],
+                         [layer.get("q_bias"), layer.get("k_bias"), layer.get("v_bias")], dtype, int4, device,
+                         dense_copy),
+        "o": as_linear([layer["o"]], [None], dtype, int4, device, dense_copy),
         **build_mlp(layer, dtype, int4, device, dense_copy, moe),
     }
-    if "q_norm" in layer:
-        b["q_norm"], b["k_norm"] = layer["q_norm"].float().to(device), layer["k_norm"].float().to(device)
+    b |= {k: layer[k].float().to(device) for k in NORM_KEYS if k in layer}
     return b
 
 
@@ -330,8 +304,8 @@ def build_recurrent_layer(layer: dict[str, Matrix], dtype: torch.dtype, int4: bo
         return layer[key].float().to(device)
 
     return {
-        "in_proj": _linear([layer[k] for k in IN_PROJ_KEYS], [None] * 4, dtype, int4, device),
-        "out": _linear([layer["out"]], [None], dtype, int4, device),
+        "in_proj": as_linear([layer[k] for k in IN_PROJ_KEYS], [None] * 4, dtype, int4, device),
+        "out": as_linear([layer["out"]], [None], dtype, int4, device),
         **build_mlp(layer, dtype, int4, device, moe=moe),
         "conv": dev("conv").reshape(layer["conv"].shape[0], -1), "A_log": dev("A_log"), "dt_bias": dev("dt_bias"),
         "gate_norm": dev("gate_norm"), "attn_norm": dev("attn_norm"), "mlp_norm": dev("mlp_norm"),
@@ -356,7 +330,7 @@ def _float_head(weight: Matrix, dtype: torch.dtype, int4: bool, device: torch.de
         # into exact ties. A tied head shares the float32 embedding, so this costs no memory.
         dense = weight.dequantize() if isinstance(weight, (Int4Rows, QuantRows)) else weight.float()
         return Linear(dense.to(device).contiguous(), pairwise=True)
-    return _linear([weight], [None], dtype, int4, device)
+    return as_linear([weight], [None], dtype, int4, device)
 
 
 def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = False,
@@ -380,7 +354,8 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
             layers.append(recurrent_layer(ck.cfg, build_recurrent_layer(layer, dtype, int4, device, moe))
                           if ck.cfg.is_linear(i) else decoder_layer(ck.cfg, build_layer(layer, dtype, int4, device,
                                                                                         dense_copy, moe)))
-            page_out([m.raw for m in layer.values() if isinstance(m, QuantRows)])  # packed: the file's pages go
+            mapped = [m.raw for m in layer.values() if isinstance(m, QuantRows)]
+            page_out(mapped + (layer["experts"].file_blocks() if "experts" in layer else []))  # packed: the pages go
             del layer
             return_freed_memory()  # the layer's float32 temporaries: else they stay resident as free heap
             advance()
@@ -390,7 +365,7 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
         embed = float_embedding(ck.embed).to(device)
         head = _float_head(ck.head if ck.head is not None else embed.float(), dtype, int4, device)
     model = Transformer(ck.cfg, embed, layers, ck.norm.float().to(device), head, dtype, max_len, rollback)
-    if head.pairwise:
+    if head.pairwise and not ck.cfg.logit_softcap:  # the argmax head bounds the head's own logits, not capped ones
         model.argmax_head = argmax_head.for_head(head.weight, model.norm.weight)
     return_freed_memory()
     return model

@@ -70,10 +70,10 @@ def test_q4_blocks_are_kept_exactly(tiny_ggufs):
 
 
 def test_int4_kernel_computes_the_q4_weights(tiny_ggufs):
-    from specchat.backends.native.weights import _linear
+    from specchat.backends.native.matrix import as_linear
 
     w = load_gguf(tiny_ggufs["Q4_1"], keep_int4=True).layers[1]["gate"].as_int4()
-    linear = _linear([w], [None], torch.bfloat16, int4=True, device=torch.device("cpu"))
+    linear = as_linear([w], [None], torch.bfloat16, int4=True, device=torch.device("cpu"))
     assert linear.quantized
     x = torch.randn(5, w.q.shape[1]).to(torch.bfloat16)
     # torch's kernel keeps scale and zero in bfloat16 (ours in float16): the reference rounds them so
