@@ -35,3 +35,25 @@ def kquant_ggufs(tmp_path_factory) -> dict:
     hf = make_hf_checkpoint(root / "hf", "llama", seed=21, hidden=256, ffn=512)
     source = make_gguf(root / "tiny-F32.gguf", hf, "F32")
     return {f: quantize_with_llamacpp(source, root / f"tiny-{f}.gguf", f) for f in KQUANT_FTYPES}
+
+
+@pytest.fixture(scope="session")
+def arch_ggufs(tmp_path_factory) -> dict:
+    """(arch, ftype) -> a GGUF of a tiny transformers checkpoint of each of tiny_archs.GGUF_ARCHS (qwen3moe,
+    gemma3), as people's GGUFs are made: F32 and Q8_0 by llama.cpp's converter, Q4_K_M by its quantizer
+    from the F32 file; (arch, "hf") -> the checkpoint directory."""
+    from tests.native.convert import convert
+    from tests.native.tiny import quantize_with_llamacpp
+    from tests.native.tiny_archs import GGUF_ARCHS, make_arch_checkpoint
+
+    root = tmp_path_factory.mktemp("archs")
+    # qwen3moe's seed: one whose int8-rounded rows seldom choose other experts (another gave 95% top-1, not 99%)
+    seeds = {"qwen3moe": 32, "gemma3": 31}
+    out = {(arch, "hf"): make_arch_checkpoint(root / arch, arch, seed=seeds[arch]) for arch in GGUF_ARCHS}
+    jobs = {(arch, ftype): (out[arch, "hf"], root / f"{arch}-{ftype}.gguf", ftype.lower()) for arch in GGUF_ARCHS
+            for ftype in ("F32", "Q8_0")}
+    convert(list(jobs.values()))
+    out |= {key: path for key, (_, path, _) in jobs.items()}
+    for arch in GGUF_ARCHS:
+        out[arch, "Q4_K_M"] = quantize_with_llamacpp(out[arch, "F32"], root / f"{arch}-Q4_K_M.gguf", "Q4_K_M")
+    return out
