@@ -159,10 +159,15 @@ def _built(path: Path, kind: str) -> Profile:
         _FLAGGED[name] = refusal
         return Profile(**common, backend="llamacpp")
     _FLAGGED[name] = None
-    # compiled decode graphs as the default profile has them, for a GGUF; a checkpoint directory
-    # decodes eagerly, as every shipped checkpoint profile does (mixture-of-experts models have no
-    # compiled graphs yet, and a hybrid's only in bfloat16 or int4: compile: true would refuse them)
-    return Profile(**common, backend="torch", compile=base.compile and kind == "gguf",
+    # compiled decode graphs as the default profile has them, for a GGUF whose model has them; a
+    # checkpoint directory decodes eagerly, as every shipped checkpoint profile does (mixture-of-experts
+    # and sliding-window models have no compiled graphs yet, and a hybrid's only in bfloat16 or int4:
+    # compile: true would refuse them)
+    from specchat import paths
+    from specchat.backends.native.gguf_support import native_compiles
+
+    compiles = kind == "gguf" and native_compiles(path, paths.cache_dir())
+    return Profile(**common, backend="torch", compile=base.compile and compiles,
                    speculative=MTP if kind == "hf_dir" and builtin_mtp(path) else SUFFIX)
 
 

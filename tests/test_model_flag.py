@@ -63,9 +63,9 @@ def q3_gguf(tmp_path_factory):
 
 # ---------------------------------------------------------------- native_refusal
 def test_native_refusal_names_an_architecture_the_engine_does_not_run(tmp_path):
-    for arch in ("gemma3", "foo"):
+    for arch in ("phi3", "foo"):
         why = native_refusal(header_only_gguf(tmp_path / f"{arch}.gguf", arch))
-        assert why == f"architecture '{arch}' is not one the native engine runs (llama, qwen2, qwen3)"
+        assert why == f"architecture '{arch}' is not one the native engine runs (llama, qwen2, qwen3, qwen3moe, gemma3)"
     assert native_refusal(header_only_gguf(tmp_path / "llama.gguf", "llama")) is None
     assert native_refusal(tmp_path) is None  # a checkpoint directory: its loader checks it
 
@@ -100,8 +100,8 @@ def test_m_with_p_replaces_the_profiles_model(tmp_path):
     assert profile.model == str(path) != shipped.model  # -m wins over the profile's own model
     assert profile.speculative == shipped.speculative and profile.name == "smollm2-ngram@other"
     # a file the native engine cannot run, under a profile that runs the native engine: one line naming both
-    refused = header_only_gguf(tmp_path / "gemma.gguf", "gemma3")
-    with pytest.raises(BackendError, match=r"architecture 'gemma3' is not one .* leave out -p"):
+    refused = header_only_gguf(tmp_path / "phi.gguf", "phi3")
+    with pytest.raises(BackendError, match=r"architecture 'phi3' is not one .* leave out -p"):
         profile_for_model(str(refused), "smollm2-ngram")
 
 
@@ -123,6 +123,37 @@ def test_a_checkpoint_directory_with_mtp_layers_drafts_with_them(tiny_dir, tmp_p
     # lossless: both drafters give the target-only reply (bfloat16: strict verification)
     assert replies["mtp"]["token_ids"] == replies["plain"]["token_ids"] == replies["target-only"]["token_ids"]
     assert len(replies["mtp"]["token_ids"]) >= 5
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gemma3"])
+def test_a_qwen3moe_or_gemma3_gguf_runs_on_the_native_engine(arch_ggufs, arch, capsys):
+    """llama.cpp-converted files of these archs chat on the native engine with suffix decoding, eagerly
+    (no compiled graphs for routed experts or sliding windows yet, where the default profile has them),
+    and the reply is target-only's."""
+    path = arch_ggufs[arch, "Q4_K_M"]
+    prompt = ["the quick brown fox the quick brown fox", "--json", "--max-tokens", "12", "--set", "threads=2"]
+    assert cli.main(["run", "-m", str(path), *prompt]) == 0
+    flagged = json.loads(capsys.readouterr().out)
+    assert profile_for_model(str(path)).compile is False and get_profile(DEFAULT_PROFILE).compile
+    assert cli.main(["run", "-p", "smollm2", "--set", f"model={path}", *prompt]) == 0
+    reference = json.loads(capsys.readouterr().out)
+    assert flagged["engine"] == "specchat (native)" and flagged["method"] == "suffix"
+    assert flagged["token_ids"] == reference["token_ids"] and len(flagged["token_ids"]) >= 5
+
+
+@pytest.mark.parametrize("arch, name", [("qwen3moe", "blk.1.ffn_up_exps.weight"),
+                                        ("gemma3", "blk.1.post_ffw_norm.weight")])
+def test_a_tensor_missing_from_such_a_file_is_one_line_and_exit_2(arch_ggufs, monkeypatch, capsys, arch, name):
+    from specchat.backends.native import gguf_loader
+
+    path = arch_ggufs[arch, "Q8_0"]
+    index = gguf_loader.read_index(path)
+    del index.tensors[name]
+    monkeypatch.setattr(gguf_loader, "read_index", lambda *a, **k: index)  # what loading reads of the file
+    assert cli.main(["run", "-m", str(path), "hi", "--set", "threads=2"]) == 2
+    err = capsys.readouterr().err.splitlines()  # the engine line -m always writes, then the error
+    errors = [line for line in err if not line.startswith("engine:")]
+    assert len(errors) == 1 and errors[0].endswith(f"{path}: tensor {name} missing; the file may be truncated"), err
 
 
 def test_a_file_the_native_engine_cannot_run_goes_to_llamacpp_and_says_why(q3_gguf, capsys):

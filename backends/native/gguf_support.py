@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .gguf_loader import SUPPORTED_ARCHS, read_index
+from ..base import BackendError
+from .gguf_loader import SUPPORTED_ARCHS, config_from_gguf, read_index
 from .memory_plan import TILE_BYTES
 
 # The GGUF tensor types the native engine runs as they are stored: the float types, and the
@@ -18,12 +19,12 @@ from .memory_plan import TILE_BYTES
 # file runs on llama.cpp instead.
 NATIVE_MATRIX_TYPES = ("F32", "F16", "BF16", *TILE_BYTES)
 
-__all__ = ["NATIVE_MATRIX_TYPES", "native_refusal"]
+__all__ = ["NATIVE_MATRIX_TYPES", "native_compiles", "native_refusal"]
 
 
 def native_refusal(path: Path | str, cache_dir: Optional[Path] = None) -> Optional[str]:
     """None when the native engine runs the model at `path` as it is stored, else why not, in a
-    few words ("architecture 'gemma3' is not one the native engine runs (llama, qwen2, qwen3)").
+    few words ("architecture 'phi3' is not one the native engine runs (llama, qwen2, ...)").
 
     A GGUF is judged from its tensor index (gguf_loader.read_index: the file's header checked
     against its size first, so a broken file raises BrokenWeightFile; kept under `cache_dir` when
@@ -45,3 +46,14 @@ def native_refusal(path: Path | str, cache_dir: Optional[Path] = None) -> Option
     name, kind = other[0]
     more = f" (as are {len(other) - 1} more tensors)" if len(other) > 1 else ""
     return f"{name} is {kind}, a weight type the native engine does not run{more}"
+
+
+def native_compiles(path: Path | str, cache_dir: Optional[Path] = None) -> bool:
+    """Whether the native engine builds compiled decode graphs for the GGUF at `path` (one it runs:
+    `native_refusal` None), from its metadata: not for routed experts or sliding windows yet
+    (config.ModelConfig.compiles). Metadata the engine cannot build a model from: True, as for any
+    other file; loading it says what is missing, in one line."""
+    try:
+        return config_from_gguf(read_index(Path(path), cache_dir), str(path)).compiles
+    except BackendError:
+        return True
