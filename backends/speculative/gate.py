@@ -5,11 +5,13 @@ A source is a drafter (`mtp`, `draft`, `ngram`, `dflash`), or one half of prompt
 of a model drafter (`lookup` and the model's name). Per source the gate keeps moving averages of
 tokens per drafted pass and seconds per drafted pass (proposal, verification and acceptance), and
 overall the seconds per plain pass (no draft). A source whose drafted passes bring fewer tokens per
-second than `1 - margin` times plain passes is paused, and tried again every `probe` passes while
-paused, so it comes back (at `1 - margin / 2`) when the text turns its way; a probe counts for its
-tokens only, since it also pays for catching the drafter up on the passes it sat out. Near
-break-even the gate leaves a source alone: acceptance comes one pass at a time, and a short window
-of it would only flip the source on and off. Every `baseline_every` passes one pass is plain
+second than `1 - margin` times plain passes is paused, and tried again after `probe` passes, then
+after twice as many each time a probe leaves it paused (up to `max_probe`: a drafter that never
+pays costs a probe in 64 passes, not one in 8), so it comes back (at `1 - margin / 2`) when the
+text turns its way; a probe counts for its tokens only, since it also pays for catching the
+drafter up on the passes it sat out. The margin is small (3%), so a drafter that costs speed
+stops; within it acceptance comes one pass at a time, and a short window of it would only flip the
+source on and off. Every `baseline_every` passes one pass is plain
 whatever the sources do, so the plain rate stays measured as the context grows.
 
 The gate only decides how much is drafted, which never changes what is emitted: under exact
@@ -46,12 +48,13 @@ ALL = "*"  # in a `plan`: no source drafts (a baseline pass)
 
 class DraftGate:
     def __init__(self, alpha: float = 0.08, warmup: int = 8, probe: int = 8, baseline_every: int = 32,
-                 margin: float = 0.10):
+                 margin: float = 0.03, max_probe: int = 64):
         self.alpha, self.warmup, self.probe, self.baseline_every = alpha, warmup, probe, baseline_every
-        self.margin = margin
+        self.margin, self.max_probe = margin, max_probe
         self.plain = _Average()
         self.sources: dict[str, _Average] = {}
-        self._paused_passes: dict[str, int] = {}  # passes a source has sat out since it was paused
+        self._paused_passes: dict[str, int] = {}  # passes a source has sat out since its last probe
+        self._interval: dict[str, int] = {}  # passes between a paused source's probes
         self._passes = 0
 
     def plan(self) -> frozenset[str]:
@@ -65,17 +68,24 @@ class DraftGate:
             floor = self.plain.rate * (1.0 - (self.margin / 2 if was_paused else self.margin))
             if avg.passes < self.warmup or avg.rate >= floor:
                 self._paused_passes.pop(name, None)
+                self._interval.pop(name, None)
                 continue
             waited = self._paused_passes.get(name, 0) + 1
-            self._paused_passes[name] = waited
-            if waited % self.probe:
+            interval = self._interval.get(name, self.probe)
+            if waited < interval:
+                self._paused_passes[name] = waited
                 paused.add(name)
+            else:  # a probe; each one that leaves the source paused doubles the wait for the next
+                self._paused_passes[name] = 0
+                self._interval[name] = min(2 * interval, self.max_probe)
         return frozenset(paused)
 
     def record(self, source: str | None, tokens: int, seconds: float) -> None:
         """A pass drafted by `source` (None: a plain pass) emitted `tokens` in `seconds`."""
         avg = self.plain if source is None else self.sources.setdefault(source, _Average())
         probe = source is not None and source in self._paused_passes
+        if probe and self.plain.seconds > 0 and tokens >= avg.seconds / self.plain.seconds * self.plain.tokens:
+            self._interval[source] = self.probe  # a probe that paid: the next ones come soon again
         avg.add(tokens, None if probe else seconds, self.alpha)
 
     def why_paused(self, paused: frozenset[str], every: bool = True) -> str:
