@@ -63,12 +63,11 @@ def warm(backend, profile: Profile, history_path: Optional[Path],
                 break
             chosen.append(((conversation, message), ids))
             total += len(ids)
-        now = time.perf_counter()
         if full:
             break
-        if progress is not None and now - shown > slow_s:
+        if progress is not None and time.perf_counter() - shown > slow_s:
             progress(f"reading earlier replies into the suffix memory: {at + len(batch)} of {len(rows)}")
-            shown = now
+            shown = time.perf_counter()
     memory.add_many(chosen[::-1])  # the oldest first, as the memory evicts the oldest
     return f"suffix memory: {describe(memory)} ({time.perf_counter() - started:.1f}s)"
 

@@ -90,12 +90,9 @@ class SpeculativeBackend(Backend):
     def tokenize_chat(self, messages: Sequence[dict]) -> list[int]:
         return self.target.tokenize_chat(messages)
 
-    def tokenize(self, text: str) -> list[int]:
-        """Plain text in the target's tokens (no chat template): how earlier replies enter the memory."""
-        return self.target.tokenizer.encode(text)
-
     def tokenize_many(self, texts: Sequence[str]) -> list[list[int]]:
-        """`tokenize` of each text, in one batch: a memory of a thousand replies reads in a blink."""
+        """Plain texts in the target's tokens (no chat template), in one batch: how earlier replies
+        enter the memory."""
         return self.target.tokenizer.encode_many(texts)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:

@@ -18,8 +18,8 @@ class RememberingBackend(ScriptedBackend):
         super().__init__(*args, **kwargs)
         self.memory = SuffixIndex()
 
-    def tokenize(self, text: str) -> list[int]:
-        return [piece_id(p) for p in pieces_of(text)]
+    def tokenize_many(self, texts) -> list[list[int]]:
+        return [[piece_id(p) for p in pieces_of(text)] for text in texts]
 
 
 def remembered(backend) -> list[str]:
