@@ -28,14 +28,20 @@ async def send(pilot, text):
     await pilot.press("enter")
 
 
+async def reply_to(pilot, app, text):
+    """Send `text` and wait for its reply to finish; the chat screen."""
+    await send(pilot, text)
+    screen = app.chat
+    await wait_until(pilot, lambda: not screen.generating and app.conv.last_reply, what="reply")
+    return screen
+
+
 async def test_prompt_streams_reply_and_saves_history(profiles_dir):
     backend = ScriptedBackend([REPLY], accept=[3, 1, 0], delay=0.002)
     app, _ = app_with(profiles_dir, spec=backend)
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot, app)
-        await send(pilot, "hi there")
-        screen = app.chat
-        await wait_until(pilot, lambda: not screen.generating and app.conv.last_reply, what="reply")
+        screen = await reply_to(pilot, app, "hi there")
         replies = list(screen.query(AssistantMessage))
         assert [u.text for u in screen.query(UserMessage)] == ["hi there"]
         assert replies[-1].text == REPLY
@@ -58,9 +64,7 @@ async def test_the_reply_line_the_status_bar_and_history_agree_on_tokens_per_pas
     app, _ = app_with(profiles_dir, spec=backend)
     async with app.run_test(size=(160, 30)) as pilot:
         await ready(pilot, app)
-        await send(pilot, "hi there")
-        screen = app.chat
-        await wait_until(pilot, lambda: not screen.generating and app.conv.last_reply, what="reply")
+        screen = await reply_to(pilot, app, "hi there")
         summary = screen.live.summary
         assert summary.tokens_per_pass < summary.mean_accepted
         figure = f"{summary.tokens_per_pass:.2f} tok/pass"
