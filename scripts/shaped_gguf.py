@@ -83,10 +83,11 @@ FTYPES: dict[str, str] = {
     "IQ4_XS": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
     "IQ4_NL": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
     "F16": "LLAMA_FTYPE_MOSTLY_F16",
+    "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
 }
 # rough bits per weight of each output, for the disk-space check only (K mixes round up)
 BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q8_0": 8.5, "Q4_K_S": 4.7, "Q4_K_M": 5.0, "Q5_K_M": 5.8, "Q6_K": 6.6,
-        "IQ4_XS": 4.4, "IQ4_NL": 4.6, "F16": 16.0}
+        "IQ4_XS": 4.4, "IQ4_NL": 4.6, "F16": 16.0, "BF16": 16.0}
 F16_FILE_TYPE = 1  # LLAMA_FTYPE_MOSTLY_F16, general.file_type of the source
 TOKENIZER_VOCAB = 49152  # the default model's tokenizer (SmolLM2); for the disk estimate before it is read
 CHUNK = 1 << 24  # elements generated at a time (64 MB of float32)

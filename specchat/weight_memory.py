@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Optional
 
 from specchat.backends.base import BackendError
-from specchat.backends.native.memory_plan import TILE_BYTES, gguf_bytes, int4_dir_bytes, kv_cache_bytes
+from specchat.backends.native.memory_plan import (TILE_BYTES, float_activations, gguf_bytes, int4_dir_bytes,
+                                                  kv_cache_bytes)
 from specchat.backends.weight_files import check_gguf, safetensors_header
 from specchat.models import resolve_model
 from specchat.profiles import Profile
@@ -38,6 +39,7 @@ class Checkpoint:
     int4_bytes: Optional[int] = None  # what a load on the kernels holds (memory_plan.py)
     kv_position_elements: int = 0  # keys and values of every attention layer, a position
     rope_position_bytes: int = 0  # the float32 RoPE tables (cos, sin), a position
+    float_activations: bool = False  # int4 with float32 activations and cache (an F16 / BF16 file)
 
 
 def read_checkpoint(path: Path, kind: str) -> Checkpoint:
@@ -50,7 +52,8 @@ def read_checkpoint(path: Path, kind: str) -> Checkpoint:
         tensors = {t.name: (t.tensor_type.name, tuple(t.shape)) for t in index.tensors.values()}
         params = sum(math.prod(shape) for _, shape in tensors.values())
         quantized = any(qtype in TILE_BYTES for qtype, _ in tensors.values())
-        return Checkpoint(params, path.stat().st_size, quantized, gguf_bytes(tensors), *_gguf_positions(index))
+        return Checkpoint(params, path.stat().st_size, quantized, gguf_bytes(tensors), *_gguf_positions(index),
+                          float_activations=float_activations(tensors))
     params = stored = 0
     shapes: dict[str, tuple[int, ...]] = {}
     for shard in sorted(Path(path).glob("*.safetensors")):  # each header checked against the file's size
@@ -174,8 +177,10 @@ def weight_bytes(profile: Profile, device: str = "cpu") -> Optional[int]:
             total += ck.int4_bytes
         else:
             total += int(ck.parameters * BYTES_PER_PARAMETER[precision])
-        # the cache in the compute dtype (bfloat16 for int4; float16's is float32 on CPU: model.cache_dtype)
-        element = 2 if precision in ("int4", "bfloat16") or (precision == "float16" and device != "cpu") else 4
+        # the cache in the compute dtype (bfloat16 for int4 but an F16 / BF16 file's; float16's is float32 on
+        # CPU: model.cache_dtype)
+        element = 2 if (precision == "int4" and not ck.float_activations) or precision == "bfloat16" \
+            or (precision == "float16" and device != "cpu") else 4
         total += (ck.kv_position_elements * element + ck.rope_position_bytes) * (profile.context + 1)
     return total
 

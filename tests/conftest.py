@@ -22,7 +22,7 @@ def default_gguf():
     return pull(progress=False)
 
 
-KQUANT_FTYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q5_1")
+KQUANT_FTYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q5_1", "F16", "BF16")
 
 
 @pytest.fixture(scope="session")

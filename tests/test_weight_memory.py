@@ -46,7 +46,7 @@ def held_by_the_engine(path, context: int) -> int:
 
 
 def test_a_kquant_gguf_is_counted_type_by_type_as_the_engine_holds_it(isolated_dirs, kquant_ggufs, monkeypatch):
-    """Q4_K_M (Q4_K and Q6_K tiles), Q8_0: the estimate before loading is what the engine then holds,
+    """Q4_K_M (Q4_K and Q6_K tiles), Q8_0, F16 (float32 activations and cache): the estimate before loading is what the engine then holds,
     within 5%, with the head on the kernels' tiles as a big vocabulary's is, and without."""
     from specchat.backends.native import memory_plan
 
@@ -54,7 +54,7 @@ def test_a_kquant_gguf_is_counted_type_by_type_as_the_engine_holds_it(isolated_d
     folder.mkdir(parents=True, exist_ok=True)
     for limit in (memory_plan.HEAD_FLOAT_MAX_BYTES, 0):
         monkeypatch.setattr(memory_plan, "HEAD_FLOAT_MAX_BYTES", limit)
-        for ftype in ("Q4_K_M", "Q8_0", "Q6_K"):
+        for ftype in ("Q4_K_M", "Q8_0", "Q6_K", "F16"):
             (folder / "t-k.yaml").write_text(f"model: {kquant_ggufs[ftype]}\ncontext: 200\nthreads: 2\n")
             estimate, held = weight_memory.weight_bytes(get_profile("t-k")), held_by_the_engine(kquant_ggufs[ftype], 200)
             assert abs(estimate - held) <= 0.05 * held, (ftype, limit, estimate, held)

@@ -25,7 +25,7 @@ from .exact_rows import model_matmuls_keep_row_bits
 from .graph_store import GraphStore, Variant
 from .model import Transformer
 from .tokenizer import ChatTokenizer
-from .kquant import has_blocks
+from .kquant import activation_dtype, has_blocks
 from .recurrent_state import ROLLBACK_MODES
 from .weights import Checkpoint, build_model, load_hf_dir
 
@@ -35,8 +35,8 @@ from .weights import Checkpoint, build_model, load_hf_dir
 # Replay is the one to choose when memory is tight (a verify block keeps a fraction of snapshot's).
 DEFAULT_ROLLBACK = {"cpu": "snapshot", "cuda": "snapshot"}
 
-# What the torch engine computes with: a torch dtype for everything, or "int4": layer matrices in 4 bits (a GGUF's
-# Q4 blocks; a checkpoint directory's quantized when read: memory_plan.py), bfloat16 activations (CPU only).
+# What the torch engine computes with: a torch dtype for everything, or "int4": layer matrices on the 4-bit or
+# GGUF-type kernels (memory_plan.py), CPU only, with bfloat16 activations (F16 / BF16 files: kquant.activation_dtype).
 PRECISIONS = ("float32", "bfloat16", "float16", "int4")
 # Precisions whose CPU matmul kernels are row-invariant, so that a row-exact pass over K tokens
 # equals K single-token passes bit for bit (exact_rows.py).
@@ -101,7 +101,7 @@ class TorchBackend(Backend):
         self.precision = choose_precision(precision, self.device, ck)
         if self.precision == "int4" and self.device.type != "cpu":
             raise BackendError("precision int4 runs on CPU only; use bfloat16 on CUDA")
-        dtype = torch.bfloat16 if self.precision == "int4" else getattr(torch, self.precision)
+        dtype = activation_dtype(ck.layers) if self.precision == "int4" else getattr(torch, self.precision)
         self._context = min(context, ck.cfg.max_position) if ck.cfg.max_position else context
         no_graphs = None  # why compile: true cannot be had
         if ck.cfg.moe and compile:

@@ -1,7 +1,7 @@
 """Reading a GGUF file into a `Checkpoint`.
 
 Tensors are dequantized to float32 with the `gguf` package, except matrices of the types specchat's
-kernels run (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) when `keep_int4` is set:
+kernels run (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, F16, BF16) when `keep_int4` is set:
 those stay the file's blocks (`kquant.QuantRows`, views of the file) until their layer is built on
 the kernels, so the engine runs the very weights llama.cpp runs, in about the file's memory. llama.cpp's converter permutes the rows of Q and K
 for llama-arch models (interleaved RoPE); we undo that to get the Hugging Face layout. Architectures:

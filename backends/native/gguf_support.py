@@ -13,10 +13,10 @@ from ..base import BackendError
 from .gguf_loader import SUPPORTED_ARCHS, config_from_gguf, read_index
 from .memory_plan import TILE_BYTES
 
-# The GGUF tensor types the native engine runs as they are stored: the float types, and the
-# quantized blocks its CPU kernels run (memory_plan.TILE_BYTES: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K).
-# Any other type (IQ*, Q2_K, Q3_K, TQ*, Q5_0, ...) would be dequantized to float32 at load: such a
-# file runs on llama.cpp instead.
+# The GGUF tensor types the native engine runs as they are stored: float32, and the types its CPU
+# kernels run (memory_plan.TILE_BYTES: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS,
+# F16, BF16). Any other type (Q2_K, Q3_K, IQ2/IQ3, TQ*, ...) would be dequantized to float32 at load:
+# such a file runs on llama.cpp instead.
 NATIVE_MATRIX_TYPES = ("F32", "F16", "BF16", *TILE_BYTES)
 
 __all__ = ["NATIVE_MATRIX_TYPES", "native_compiles", "native_refusal"]

@@ -1,6 +1,7 @@
 """GGUF's quantized matrices kept in their own blocks (`QuantRows`, views of the file) and repacked
 once into the tiles of specchat's kernels (kernels/kquant.h; Q4_0 / Q4_1 through Int4Rows into
-q4.h's), as ggml's CPU "repack" buffers do: Q8_0, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K and IQ4_XS.
+q4.h's), as ggml's CPU "repack" buffers do: Q8_0, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K and IQ4_XS,
+and F16 / BF16 matrices as their own 16-bit values (kernels/f16.h).
 The engine holds about the file's bytes (4.625 bits a weight for Q4_K's 4.5, 5.625 for Q5_K's
 5.5, the file's own for the others), never a float copy, and every row of a verify block has its
 one-row bits (tests/native/test_kquant_kernel.py). A big head runs on the same tiles and the
@@ -21,10 +22,13 @@ from . import memory_plan
 from .int4 import Int4Rows
 from .linear import Q4_TILES, Linear
 
-# GGUF type id (ggml.h's ggml_type) and the bytes and weights of one block in the file
+# GGUF type id (ggml.h's ggml_type) and the bytes and weights of one block in the file (for F16 and
+# BF16, whose file holds plain 16-bit values, 32 of them: what their tiles take at a time)
 TYPES = {name: (type_id, size, memory_plan.BLOCK_INPUTS[name]) for name, type_id, size in (
     ("Q8_0", 8, 34), ("Q4_K", 12, 144), ("Q5_K", 13, 176), ("Q6_K", 14, 210), ("Q5_0", 6, 22), ("Q5_1", 7, 24),
-    ("IQ4_NL", 20, 18), ("IQ4_XS", 23, 136))}
+    ("IQ4_NL", 20, 18), ("IQ4_XS", 23, 136), ("F16", 1, 64), ("BF16", 30, 64))}
+# the 16-bit float types (kernels/f16.h: tiles of the file's own values, float activations)
+FLOAT16_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 # tile bytes per 16 columns x 32 inputs (kquant.h's structs, a super-block's share for K-quants)
 TILE_BYTES = {t: int(memory_plan.TILE_BYTES[t] * 512) for t in TYPES}
 COLS = 16
@@ -104,6 +108,16 @@ def has_blocks(layers: list[dict]) -> bool:
     return any(isinstance(m, (Int4Rows, QuantRows)) for layer in layers for m in layer.values())
 
 
+def activation_dtype(layers: list[dict]) -> torch.dtype:
+    """What a model on the kernels computes its activations in: float32 where every kernel matrix is
+    F16 / BF16 (their product is then the float product of the file's weights, as a person who keeps
+    a 16-bit file expects; llama.cpp rounds activations to float16 there), else bfloat16 (torch's
+    int4 kernel takes nothing else, and int8-quantized activations lose more than bfloat16 does)."""
+    kinds = {m.type if isinstance(m, QuantRows) else "Q4" for layer in layers for m in layer.values()
+             if isinstance(m, (Int4Rows, QuantRows))}
+    return torch.float32 if kinds and kinds <= set(FLOAT16_TYPES) else torch.bfloat16
+
+
 def fits(m: QuantRows) -> bool:
     """Whether the kernel takes this shape: 16 output columns a tile, whole super-blocks along K."""
     return m.rows % COLS == 0 and m.cols % TYPES[m.type][2] == 0
@@ -176,6 +190,8 @@ def decode(m: QuantRows) -> dict[str, Tensor]:
 
 
 def dequantize(m: QuantRows) -> Tensor:
+    if m.type in FLOAT16_TYPES:
+        return m.raw.contiguous().view(FLOAT16_TYPES[m.type]).float()
     p, N = decode(m), m.rows
 
     def per(t: Tensor, span: int) -> Tensor:  # [N, groups] -> [N, cols]
@@ -239,6 +255,8 @@ def pack(m: QuantRows) -> Tensor:
 
 def _pack(m: QuantRows) -> Tensor:
     N, K = m.shape
+    if m.type in FLOAT16_TYPES:  # f16.h: k-major, the 16 columns' values of each input side by side
+        return m.raw.contiguous().view(N // COLS, COLS, K, 2).transpose(1, 2).reshape(N // COLS, -1)
     p, nb, kb, ns = decode(m), N // COLS, K // 32, K // 256
 
     def half_bytes(t: Tensor, groups: int) -> Tensor:  # float16 factors [N, groups] -> [nb, groups, 32]
@@ -356,11 +374,11 @@ def float_embedding(embed) -> Tensor:
 
 def head_on_tiles(ck) -> tuple[object, Linear | None]:
     """A Checkpoint's (weights.py) (embedding, head) on specchat's kernels in the file's types, where
-    the head is big (memory_plan.HEAD_FLOAT_MAX_BYTES) and its blocks fit the tiles; else (None,
+    the head is big (memory_plan.HEAD_FLOAT_MAX_BYTES) or F16 / BF16 and its blocks fit the tiles; else (None,
     None). An untied embedding gets tiles of its own where its type has them, else it is float32."""
     source = ck.head if ck.head is not None else ck.embed
-    if not isinstance(source, QuantRows) or is_q4(source) or \
-            4 * source.rows * source.cols <= memory_plan.HEAD_FLOAT_MAX_BYTES:
+    if not isinstance(source, QuantRows) or is_q4(source) or (  # a 16-bit head's tiles are its float32 logits
+            4 * source.rows * source.cols <= memory_plan.HEAD_FLOAT_MAX_BYTES and source.type not in FLOAT16_TYPES):
         return None, None
     tied = on_tiles(source)
     if tied is None:

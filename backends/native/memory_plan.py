@@ -29,11 +29,13 @@ DENSE_COPY_MAX_BYTES = 1 << 30
 HEAD_FLOAT_MAX_BYTES = 128 << 20
 
 # Bytes a weight of the kernels' tiles (kernels/q4.h, kquant.h: a 16-column tile of 32 inputs, or a
-# K-quant super-block's share) by GGUF type, and the inputs a block of the type spans.
+# K-quant super-block's share; f16.h: the file's 16-bit values) by GGUF type.
 TILE_BYTES = {"Q4_0": 320 / 512, "Q4_1": 320 / 512, "Q8_0": 544 / 512, "Q4_K": 2368 / 4096, "Q5_K": 2880 / 4096,
-              "Q6_K": 3360 / 4096, "Q5_0": 352 / 512, "Q5_1": 384 / 512, "IQ4_NL": 288 / 512, "IQ4_XS": 2208 / 4096}
+              "Q6_K": 3360 / 4096, "Q5_0": 352 / 512, "Q5_1": 384 / 512, "IQ4_NL": 288 / 512, "IQ4_XS": 2208 / 4096,
+              "F16": 2.0, "BF16": 2.0}
+# inputs a tile row must come in whole multiples of (a block of the type; 32 for the 16-bit types' tiles)
 BLOCK_INPUTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q5_0": 32, "Q5_1": 32,
-                "IQ4_NL": 32, "IQ4_XS": 256}
+                "IQ4_NL": 32, "IQ4_XS": 256, "F16": 32, "BF16": 32}
 Q4_TYPES = ("Q4_0", "Q4_1")  # Int4Rows on the 4-bit kernel: the bfloat16 copy, never the head's tiles
 # a layer's matrices, routed experts' stacks ([experts, rows, inputs]) included
 GGUF_MATRICES = re.compile(r"blk\.\d+\.(?:attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)(?:_exps)?\.weight")
@@ -124,7 +126,8 @@ def gguf_bytes(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> int:
     if source is not None:
         qtype, shape = source
         rows, inputs = shape[-1], shape[0]
-        if 4 * rows * inputs > HEAD_FLOAT_MAX_BYTES and qtype not in Q4_TYPES and tiles_fit(qtype, rows, inputs):
+        big = 4 * rows * inputs > HEAD_FLOAT_MAX_BYTES or qtype in ("F16", "BF16")  # kquant.head_on_tiles
+        if big and qtype not in Q4_TYPES and tiles_fit(qtype, rows, inputs):
             total += TILE_BYTES[qtype] * rows * inputs
             if head is not None and embed is not None:  # an untied embedding: its own tiles, else float32
                 e_type, e_shape = embed
@@ -133,6 +136,14 @@ def gguf_bytes(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> int:
         else:
             total += head_bytes((rows, inputs)) + (4 * math.prod(embed[1]) if head is not None and embed else 0)
     return int(total + (copies if copies <= DENSE_COPY_MAX_BYTES else 0))
+
+
+def float_activations(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> bool:
+    """Whether a GGUF's layer matrices on the kernels are all F16 / BF16, so that the engine computes
+    in float32, its KV cache too (kquant.activation_dtype's rule, on the file's tensor index)."""
+    kinds = {qtype for name, (qtype, shape) in tensors.items()
+             if GGUF_MATRICES.fullmatch(name) and tiles_fit(qtype, shape[1] if len(shape) > 1 else 1, shape[0])}
+    return bool(kinds) and kinds <= {"F16", "BF16"}
 
 
 def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, context: int, element: int) -> int:

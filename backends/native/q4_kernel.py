@@ -30,7 +30,8 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 SOURCES = ("q4_op.cpp", "q4_ref.cpp", "q4_avx2.cpp", "q4_avx512vnni.cpp", "attention_avx512.cpp",
-           "kquant_ref.cpp", "kquant_avx2.cpp", "kquant_avx512vnni.cpp")
+           "kquant_ref.cpp", "kquant_avx2.cpp", "kquant_avx512vnni.cpp", "f16_ref.cpp", "f16_avx2.cpp",
+           "f16_avx512.cpp")
 KERNEL_DIR = Path(__file__).parent / "kernels"
 TILE_COLS = 16
 INT4_GROUP = 32  # inputs a scale covers (int4.INT4_GROUP; not imported: int4.py imports this module)

@@ -341,8 +341,9 @@ def build_model(ck: Checkpoint, dtype: torch.dtype, max_len: int, int4: bool = F
     Consumes `ck.layers`: each layer's checkpoint tensors are let go once it is built, so that a big
     model's float32 copies never all sit beside the built model."""
     device = torch.device(device)
-    if int4 and (dtype != torch.bfloat16 or device.type != "cpu"):
-        raise ValueError("the int4 kernel path runs on CPU with bfloat16 activations")
+    if int4 and (dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu"):
+        raise ValueError("the int4 kernel path runs on CPU with bfloat16 (or, all on specchat's kernels, float32) "
+                         "activations")
     dense_copy = int4 and dense_copy_bytes(ck) <= DENSE_COPY_MAX_BYTES
     moe = ck.cfg.moe
     layers = []

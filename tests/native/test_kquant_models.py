@@ -97,7 +97,7 @@ def test_the_embedding_is_the_files_rows(kquant_ggufs, heads_on_tiles):
     assert torch.equal(engine(path).model.embed[ids], rows[ids])
 
 
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q6_K", "Q8_0", "F16"])
 @pytest.mark.parametrize("sampling", [Sampling(max_tokens=40), Sampling(temperature=0.8, seed=3, max_tokens=40)],
                          ids=["greedy", "t0.8"])
 @pytest.mark.parametrize("depth", [1, 3, 6])

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "f16.h"
 #include "kquant.h"
 #include "q4.h"
 
@@ -29,6 +30,7 @@ struct Isa {
     head_range_fn range;
     head_pick_fn pick;
     const kq_kernels* kq;
+    fx_block_fn fx;
     bool (*available)();
 };
 
@@ -45,11 +47,11 @@ bool has_avx512vnni() {
 // best first
 const Isa ISAS[] = {
     {"avx512vnni", q4_block_avx512vnni, q8_head_avx512vnni, q8_quantize_avx512vnni, head_dot_avx512vnni,
-     head_range_avx512vnni, head_pick_avx512vnni, &kq_avx512vnni, has_avx512vnni},
+     head_range_avx512vnni, head_pick_avx512vnni, &kq_avx512vnni, fx_block_avx512, has_avx512vnni},
     {"avx2", q4_block_avx2, q8_head_avx2, q8_quantize_avx2, head_dot_ref, head_range_ref, head_pick_ref, &kq_avx2,
-     has_avx2},
+     fx_block_avx2, has_avx2},
     {"ref", q4_block_ref, q8_head_ref, q8_quantize_ref, head_dot_ref, head_range_ref, head_pick_ref, &kq_ref,
-     always}};
+     fx_block_ref, always}};
 
 const Isa* find(const std::string& name) {
     for (const Isa& isa : ISAS)
@@ -140,6 +142,16 @@ void check_input(const at::Tensor& x, const at::Tensor& tiles, int64_t K, const 
     TORCH_CHECK(K % Q4_BLOCK == 0, op, ": K % 32 must be 0");
 }
 
+// `rows` rows of a column block's 16 results (acc, 16 apart) into y (x's dtype, `n` columns a row) at `at`.
+void store_columns(const float* acc, int rows, void* out, bool bf16, int64_t at, int64_t n) {
+    for (int m = 0; m < rows; m++, at += n) {
+        if (bf16)
+            for (int c = 0; c < Q4_COLS; c++) static_cast<uint16_t*>(out)[at + c] = to_bf16(acc[m * Q4_COLS + c]);
+        else
+            std::memcpy(static_cast<float*>(out) + at, acc + m * Q4_COLS, sizeof(float) * Q4_COLS);
+    }
+}
+
 // y = x [..., K] W^T for W [n, K] held as tiles of 16 columns, `block_bytes` apart: each row of x
 // quantized once (QuantizedRows), then `block` (q4_block_fn's or kq_block_fn's signature, over a
 // column block's tiles) for rows 16 at a time -> [..., n] in x's dtype. Split over column blocks
@@ -164,14 +176,7 @@ at::Tensor run_columns(const at::Tensor& x_in, const uint8_t* tiles, int64_t n, 
             for (int64_t m0 = 0; m0 < M; m0 += 16) {
                 const int here = (int)std::min<int64_t>(16, M - m0);
                 block(tiles + b * block_bytes, (int)kb, rows + m0, here, acc, Q4_COLS);
-                for (int m = 0; m < here; m++) {
-                    const int64_t at = (m0 + m) * n + b * Q4_COLS;
-                    if (bf16)
-                        for (int c = 0; c < Q4_COLS; c++)
-                            static_cast<uint16_t*>(out)[at + c] = to_bf16(acc[m * Q4_COLS + c]);
-                    else
-                        std::memcpy(static_cast<float*>(out) + at, acc + m * Q4_COLS, sizeof(float) * Q4_COLS);
-                }
+                store_columns(acc, here, out, bf16, m0 * n + b * Q4_COLS, n);
             }
     });
     return y;
@@ -206,8 +211,44 @@ kq_block_fn kq_kernel(const Isa& isa, int64_t type) {
     }
 }
 
+// x [..., K] times the 16-bit tiles (f16.h) of W [n, K] in GGUF type F16 or BF16 -> [..., n] in x's
+// dtype. A bfloat16 x is widened once; split over column blocks only, as run_columns.
+at::Tensor fx_linear_on(const at::Tensor& x_in, const at::Tensor& tiles, int64_t type, int64_t n, const Isa& isa) {
+    const int64_t K = x_in.size(-1);
+    check_input(x_in, tiles, K, "kq_linear");
+    TORCH_CHECK(n % FX_COLS == 0, "kq_linear: n % 16 must be 0");
+    TORCH_CHECK(tiles.numel() == n * K * 2, "kq_linear: tiles do not match [n, K] in a 16-bit type");
+    const at::Tensor x = x_in.contiguous();
+    const int64_t M = x.numel() / K, nb = n / FX_COLS;
+    const float* xf = x.scalar_type() == at::kFloat ? x.data_ptr<float>() : nullptr;
+    thread_local std::vector<float> widened;
+    if (!xf) {
+        widened.resize(M * K);
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+        for (int64_t i = 0; i < M * K; i++) widened[i] = from_bf16(h[i]);
+        xf = widened.data();
+    }
+    std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+    shape.back() = n;
+    at::Tensor y = at::empty(shape, x_in.options());
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    void* out = y.data_ptr();
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(tiles.data_ptr<uint8_t>());
+    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+        float acc[16 * FX_COLS];
+        for (int64_t b = b0; b < b1; b++)
+            for (int64_t m0 = 0; m0 < M; m0 += 16) {
+                const int here = (int)std::min<int64_t>(16, M - m0);
+                isa.fx(w + b * K * FX_COLS, (int)type, (int)K, xf + m0 * K, K, here, acc, FX_COLS);
+                store_columns(acc, here, out, bf16, m0 * n + b * FX_COLS, n);
+            }
+    });
+    return y;
+}
+
 // x [..., K] times the tiles of W [n, K] in GGUF type `type` (kquant.h) -> [..., n] in x's dtype.
 at::Tensor kq_linear_on(const at::Tensor& x_in, const at::Tensor& tiles, int64_t type, int64_t n, const Isa& isa) {
+    if (fx_is(type)) return fx_linear_on(x_in, tiles, type, n, isa);
     const int64_t K = x_in.size(-1);
     check_input(x_in, tiles, K, "kq_linear");
     const kq_block_fn block = kq_kernel(isa, type);
@@ -219,13 +260,15 @@ at::Tensor kq_linear_on(const at::Tensor& x_in, const at::Tensor& tiles, int64_t
     return run_columns(x_in, tiles.data_ptr<uint8_t>(), n, per_block, block, isa, type == KQ_Q6_K);
 }
 
-// Rows `ids` of W [n, K] from its tiles (q4.h's for type 3, kquant.h's for GGUF types 8, 12..14)
+// Rows `ids` of W [n, K] from its tiles (q4.h's for type 3, f16.h's for F16 / BF16, kquant.h's for the others)
 // -> float32 [len(ids), K]: embedding rows looked up in the tiles the head multiplies with.
 at::Tensor kq_rows(const at::Tensor& tiles, int64_t type, int64_t K, const at::Tensor& ids_in) {
     TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 2, "kq_rows: tiles");
     const int64_t kb = K / Q4_BLOCK, per_block = tiles.size(1), n = tiles.size(0) * KQ_COLS;
     const bool q4 = type == 3;
-    TORCH_CHECK(K % Q4_BLOCK == 0 && per_block == kb * (q4 ? (int64_t)sizeof(q4_tile) : kq_block_bytes((int)type)),
+    const int64_t block_bytes = q4 ? (int64_t)sizeof(q4_tile) : fx_is(type) ? 2 * Q4_BLOCK * FX_COLS
+                                                                            : kq_block_bytes((int)type);
+    TORCH_CHECK(K % Q4_BLOCK == 0 && per_block == kb * block_bytes,
                 "kq_rows: tiles do not match K in this type");
     const at::Tensor ids = ids_in.to(at::kLong).contiguous();
     at::Tensor y = at::empty({ids.numel(), K}, at::TensorOptions().dtype(at::kFloat));
@@ -234,7 +277,9 @@ at::Tensor kq_rows(const at::Tensor& tiles, int64_t type, int64_t K, const at::T
         TORCH_CHECK(id[i] >= 0 && id[i] < n, "kq_rows: id ", id[i], " out of range [0, ", n, ")");
         const uint8_t* block = tiles.data_ptr<uint8_t>() + (id[i] / KQ_COLS) * per_block;
         float* out = y.data_ptr<float>() + i * K;
-        if (q4)
+        if (fx_is(type))
+            fx_row_ref(reinterpret_cast<const uint16_t*>(block), (int)type, (int)K, (int)(id[i] % KQ_COLS), out);
+        else if (q4)
             q4_row_ref(reinterpret_cast<const q4_tile*>(block), (int)kb, (int)(id[i] % KQ_COLS), out);
         else
             kq_row_ref(block, (int)type, (int)kb, (int)(id[i] % KQ_COLS), out);
