@@ -93,7 +93,7 @@ def _target_run(p: Profile) -> dict:
     path = p.resolve_path(p.model)  # a file path is relative to its profile; a model name or hub id is not
     settings["model"] = str(path.resolve()) if p.model not in NAMED_MODELS and path.exists() else p.model
     if p.backend == "llamaserver":  # its speculative settings are not the target's
-        settings["llama_server"] = p.server_config.model_dump(exclude={"ngram_type", "spec_args", "port"})
+        settings["llama_server"] = p.server_config.model_dump(exclude={"ngram_type", "spec_args", "p_min", "port"})
     return settings
 
 

@@ -6,7 +6,10 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-METHODS = ("none", "draft", "ngram", "suffix", "mtp", "dflash", "replayssm", "eagle3")
+METHODS = ("none", "draft", "ngram", "suffix", "mtp", "dflash", "replayssm", "eagle3", "dspark")
+# what a `backend: llamaserver` profile runs (backends/llamaserver/flags.py: onto llama.cpp's --spec-type);
+# dspark there only: specchat's own engine has no DSpark drafter
+LLAMASERVER_METHODS = ("none", "ngram", "draft", "mtp", "eagle3", "dflash", "dspark")
 MODEL_DRAFTERS = ("draft", "mtp", "dflash", "replayssm", "eagle3")  # the methods `lookup` can sit in front of
 
 
@@ -83,6 +86,9 @@ class SpeculativeConfig(Strict):
                              "(e.g. made by `specchat train replayssm`)")
         if self.method == "dflash" and not self.drafter:
             raise ValueError("method 'dflash' needs `drafter`: a DFlash drafter directory")
+        if self.method == "dspark" and not self.drafter:
+            raise ValueError("method 'dspark' needs `drafter`: a DSpark drafter GGUF file (llama.cpp's dflash "
+                             "layout with a Markov head)")
         if self.method == "eagle3" and not self.drafter:
             raise ValueError("method 'eagle3' needs `drafter`: an EAGLE-3 head directory (a public head, "
                              "or one made by `specchat train eagle3`)")
@@ -158,7 +164,10 @@ class LlamaServerConfig(Strict):
     binary: Optional[str] = None  # your own llama-server build; unset: specchat builds one (once)
     ngram_type: Literal[NGRAM_TYPES] = "ngram-simple"  # what llama.cpp runs for method ngram
     args: list[str] = []  # more llama-server arguments, for the speculative run and its reference alike
-    spec_args: list[str] = []  # more speculative arguments (with a method), e.g. [--spec-draft-p-min, "0.5"]
+    spec_args: list[str] = []  # more speculative arguments (with a method), e.g. [--spec-draft-n-min, "2"]
+    # a model drafter (draft, mtp, eagle3, dflash, dspark) drafts only while its own top probability is at
+    # least this (--spec-draft-p-min); unset: llama.cpp's default (0, always)
+    p_min: Optional[float] = Field(None, ge=0.0, le=1.0)
     port: Optional[int] = Field(None, ge=1, le=65535)  # unset: a free loopback port
     startup_timeout_s: float = Field(120.0, gt=0)
     timeout_s: float = Field(60.0, gt=0)  # for the server to send the next chunk

@@ -16,8 +16,8 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from specchat import paths
-from specchat.profile_sections import (ConstraintConfig, LlamaServerConfig, SamplingConfig, ServerConfig,
-                                       SpeculativeConfig, Strict)
+from specchat.profile_sections import (LLAMASERVER_METHODS, ConstraintConfig, LlamaServerConfig, SamplingConfig,
+                                       ServerConfig, SpeculativeConfig, Strict)
 
 # The fastest lossless profile here (docs/results.md, "the default profile"): compiled decode graphs,
 # prepared in the background on a first start, with prompt lookup verified strictly. `smollm2`
@@ -75,6 +75,9 @@ class Profile(Strict):
 
     @model_validator(mode="after")
     def _combination(self):
+        if self.speculative.method == "dspark" and self.backend != "llamaserver":
+            raise ValueError("method 'dspark' runs on llama-server only (backend: llamaserver): specchat's own "
+                             "engine has no DSpark drafter")
         if self.backend == "llamacpp" and self.speculative.method != "none":
             raise ValueError(
                 f"speculative method '{self.speculative.method}' needs backend 'torch' "
@@ -88,14 +91,24 @@ class Profile(Strict):
         elif self.server is not None:
             raise ValueError("`server:` is only for backend 'openai'")
         if self.backend == "llamaserver":
-            if self.speculative.method not in ("none", "ngram", "draft"):
-                raise ValueError(f"llama-server runs method ngram or draft, not '{self.speculative.method}': use "
-                                 "backend torch for it")
-            if self.llama_server and self.llama_server.spec_args and self.speculative.method == "none":
-                raise ValueError("llama_server.spec_args add to a speculative method: set speculative.method")
+            self._llamaserver_combination()
         elif self.llama_server is not None:
             raise ValueError("`llama_server:` is only for backend 'llamaserver'")
         return self
+
+    def _llamaserver_combination(self) -> None:
+        spec, config = self.speculative, self.server_config
+        if spec.method not in LLAMASERVER_METHODS:
+            raise ValueError(f"llama-server runs method {', '.join(LLAMASERVER_METHODS[1:])}, not '{spec.method}': "
+                             "use backend torch for it")
+        if config.spec_args and spec.method == "none":
+            raise ValueError("llama_server.spec_args add to a speculative method: set speculative.method")
+        if config.p_min is not None and spec.method in ("none", "ngram"):
+            raise ValueError("llama_server.p_min stops a model drafter's draft early: it needs method draft, mtp, "
+                             "eagle3, dflash or dspark")
+        if spec.lookup or spec.suffix.first:
+            raise ValueError("`lookup` and `suffix.first` are specchat's own loop; llama-server drafts with its "
+                             "method alone: leave them out")
 
     @property
     def remote(self) -> bool:
@@ -107,7 +120,8 @@ class Profile(Strict):
         if self.remote:
             return f"server: {self.server.speculation}" if self.server.speculation else "server-side"
         if self.backend == "llamaserver" and self.method != "none":
-            kind = self.server_config.ngram_type if self.method == "ngram" else "draft-simple"
+            kind = (self.server_config.ngram_type if self.method == "ngram" else
+                    "draft-simple" if self.method == "draft" else f"draft-{self.method}")
             return f"llama.cpp {kind} d={self.speculative.depth}"
         if self.method == "none":
             return "target-only"
@@ -140,7 +154,7 @@ class Profile(Strict):
                 "reference profile (-r), e.g. the same model served without speculation, or a local one")
         update = {"name": f"{self.name}:target-only", "speculative": SpeculativeConfig()}
         if self.llama_server is not None:
-            update["llama_server"] = self.llama_server.model_copy(update={"spec_args": [], "port": None})
+            update["llama_server"] = self.llama_server.model_copy(update={"spec_args": [], "p_min": None, "port": None})
         return self.model_copy(update=update)
 
     def with_overrides(self, settings: dict[str, Any] | None = None, **sampling: Any) -> "Profile":

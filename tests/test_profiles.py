@@ -160,7 +160,11 @@ def test_llamaserver_profiles_speculate_with_what_llama_cpp_runs(user_dir):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("speculative: {method: mtp}", "llama-server runs method ngram or draft, not 'mtp'"),
+    ("speculative: {method: suffix}", "llama-server runs method ngram, draft, mtp, eagle3, dflash, dspark, not 'suffix'"),
+    ("speculative: {method: eagle3}", "method 'eagle3' needs `drafter`"),
+    ("speculative: {method: dspark}", "method 'dspark' needs `drafter`"),
+    ("speculative: {method: ngram}\nllama_server: {p_min: 0.5}", "llama_server.p_min stops a model drafter's draft"),
+    ("speculative: {method: draft, drafter: d.gguf, lookup: 2}", "`lookup` and `suffix.first` are specchat's own loop"),
     ("llama_server: {spec_args: [--spec-type, ngram-mod]}", "spec_args add to a speculative method"),
     ("llama_server: {args: [--port, '9000']}", "--port: specchat sets these"),
     ("llama_server: {ngram_type: ngram-fancy}", "llama_server.ngram_type"),
@@ -169,6 +173,19 @@ def test_llamaserver_profiles_speculate_with_what_llama_cpp_runs(user_dir):
 def test_broken_llamaserver_profiles_are_one_line(user_dir, text, message):
     write(user_dir, "bad", f"extends: smollm2-llamaserver\n{text}\n")
     assert message in load_profiles().errors["bad"]
+
+
+def test_llama_cpp_draft_types_are_llamaserver_methods(user_dir):
+    write(user_dir, "e3", "extends: smollm2-llamaserver-eagle3\nllama_server: {p_min: 0.4}\n")
+    write(user_dir, "ds", "extends: smollm2-llamaserver\nspeculative: {method: dspark, depth: 5, drafter: d.gguf}\n")
+    (user_dir / "d.gguf").write_bytes(b"GGUF")
+    write(user_dir, "native-ds", "extends: smollm2\nspeculative: {method: dspark, drafter: d.gguf}\n")
+    ps = load_profiles()
+    assert ps.profiles["e3"].method_label == "llama.cpp draft-eagle3 d=1"
+    assert ps.profiles["smollm2-llamaserver-dflash"].method_label == "llama.cpp draft-dflash d=1"
+    assert ps.profiles["ds"].method_label == "llama.cpp draft-dspark d=5"
+    assert ps.profiles["e3"].target_only().server_config.p_min is None  # the reference drafts nothing
+    assert "runs on llama-server only" in ps.errors["native-ds"]
 
 
 def test_llama_server_section_is_only_for_its_backend(user_dir):

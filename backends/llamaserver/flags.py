@@ -1,7 +1,11 @@
 """llama-server's command line for a model, a context and a speculative method.
 
 specchat's method names map onto llama.cpp's speculative types (`--spec-type`, llama.cpp's
-common/speculative.cpp); llama.cpp's other types are reached with explicit arguments instead.
+common/speculative.cpp): ngram onto its n-gram types, and each model drafter onto its draft type,
+whose weights come in `--spec-draft-model` (`-md`): a whole draft model (draft-simple), an EAGLE-3
+head (draft-eagle3), a DFlash or DSpark block drafter (draft-dflash, draft-dspark; DSpark's is a
+DFlash file with a Markov head), or for draft-mtp none at all (the target's own `nextn` layers) or
+an MTP sidecar file. llama.cpp's other settings are reached with explicit arguments instead.
 """
 from __future__ import annotations
 
@@ -20,10 +24,20 @@ NGRAM_SIZE_FLAGS = {
 }
 
 
+# specchat's model-drafter methods -> llama.cpp's draft types
+DRAFT_TYPES = {"draft": "draft-simple", "mtp": "draft-mtp", "eagle3": "draft-eagle3", "dflash": "draft-dflash",
+               "dspark": "draft-dspark"}
+METHODS = ("none", "ngram", *DRAFT_TYPES)
+
+
 def speculation_args(method: str, *, ngram_type: str = "ngram-simple", depth: Optional[int] = None,
-                     lookup: Optional[int] = None, drafter: Optional[Path] = None) -> list[str]:
-    """llama-server's speculative flags for a method. `depth` (tokens drafted a pass) and `lookup`
-    (tokens matched, n-gram types) are passed only when given: unset, llama.cpp's own defaults hold."""
+                     lookup: Optional[int] = None, drafter: Optional[Path] = None,
+                     p_min: Optional[float] = None) -> list[str]:
+    """llama-server's speculative flags for a method. `depth` (tokens drafted a pass), `lookup`
+    (tokens matched, n-gram types) and `p_min` (a model drafter stops where its own top probability
+    falls below it) are passed only when given: unset, llama.cpp's own defaults hold."""
+    if p_min is not None and method not in DRAFT_TYPES:
+        raise BackendError(f"p_min applies to a model drafter ({', '.join(DRAFT_TYPES)}), not method '{method}'")
     if method == "none":
         return []
     if method == "ngram":
@@ -38,14 +52,19 @@ def speculation_args(method: str, *, ngram_type: str = "ngram-simple", depth: Op
             if ngram_type == "ngram-mod":
                 args += ["--spec-ngram-mod-n-min", "1"]  # its default (48) is above small depths
         return args
-    if method == "draft":
-        if drafter is None or Path(drafter).suffix.lower() != ".gguf":
-            raise BackendError("llama-server's draft model must be a GGUF file")
-        args = ["--spec-type", "draft-simple", "-md", str(drafter)]
+    if method in DRAFT_TYPES:
+        if method == "mtp" and drafter is None:
+            args = ["--spec-type", "draft-mtp"]  # the target's own MTP (nextn) layers
+        elif drafter is None or Path(drafter).suffix.lower() != ".gguf":
+            raise BackendError(f"llama-server's {method} drafter must be a GGUF file")
+        else:
+            args = ["--spec-type", DRAFT_TYPES[method], "-md", str(drafter)]
         if depth is not None:
             args += ["--spec-draft-n-max", str(depth), "--spec-draft-n-min", "0"]
+        if p_min is not None:
+            args += ["--spec-draft-p-min", f"{p_min:g}"]
         return args
-    raise BackendError(f"llama-server runs method ngram or draft, not '{method}'")
+    raise BackendError(f"llama-server runs method {', '.join(METHODS[1:])}, not '{method}'")
 
 
 def spec_label(args: Sequence[str]) -> str:

@@ -23,11 +23,31 @@ def test_methods_map_to_llama_cpp_types_with_only_the_sizes_given():
         "--spec-type", "draft-simple", "-md", "d.gguf", "--spec-draft-n-max", "4", "--spec-draft-n-min", "0"]
 
 
+def test_model_drafters_map_to_llama_cpp_draft_types_with_their_file():
+    for method, kind in (("eagle3", "draft-eagle3"), ("dflash", "draft-dflash"), ("dspark", "draft-dspark"),
+                         ("mtp", "draft-mtp")):
+        assert speculation_args(method, drafter=Path("h.gguf")) == ["--spec-type", kind, "-md", "h.gguf"]
+        assert speculation_args(method, drafter=Path("h.gguf"), depth=3, p_min=0.25) == [
+            "--spec-type", kind, "-md", "h.gguf", "--spec-draft-n-max", "3", "--spec-draft-n-min", "0",
+            "--spec-draft-p-min", "0.25"]
+    # MTP without a file: the target's own nextn layers
+    assert speculation_args("mtp", depth=2) == ["--spec-type", "draft-mtp", "--spec-draft-n-max", "2",
+                                                "--spec-draft-n-min", "0"]
+    assert speculation_args("ngram", ngram_type="ngram-cache", depth=8) == ["--spec-type", "ngram-cache"]
+    assert spec_label(speculation_args("eagle3", drafter=Path("h.gguf"), depth=1)) == "draft-eagle3 ×1"
+    assert spec_label(speculation_args("mtp")) == "draft-mtp"
+
+
 def test_what_llama_server_cannot_run_is_one_line():
     with pytest.raises(BackendError, match="GGUF"):
         speculation_args("draft", drafter=Path("a-directory"))
-    with pytest.raises(BackendError, match="ngram or draft, not 'mtp'"):
-        speculation_args("mtp")
+    with pytest.raises(BackendError, match="ngram, draft, mtp, eagle3, dflash, dspark, not 'suffix'"):
+        speculation_args("suffix")
+    for method in ("eagle3", "dflash", "dspark"):
+        with pytest.raises(BackendError, match=f"{method} drafter must be a GGUF file"):
+            speculation_args(method, drafter=None)
+    with pytest.raises(BackendError, match="p_min applies to a model drafter"):
+        speculation_args("ngram", p_min=0.5)
     with pytest.raises(BackendError, match="unknown llama.cpp n-gram type"):
         speculation_args("ngram", ngram_type="ngram-fancy")
 
