@@ -173,6 +173,7 @@ def load_llamaserver(profile: Profile, progress=None):
     from specchat.backends.llamaserver.backend import LlamaServerBackend, LlamaServerSettings
     from specchat.backends.llamaserver.build import ensure_llama_server
     from specchat.backends.llamaserver.flags import speculation_args
+    from specchat.server_drafters import server_drafter
 
     where = f"profile '{profile.name}'"
     path, kind = target_path(profile)
@@ -184,11 +185,8 @@ def load_llamaserver(profile: Profile, progress=None):
             binary = profile.resolve_path(config.binary)
         else:
             binary = ensure_llama_server(paths.cache_dir(), progress or _say)
-        drafter = None
-        if spec.method == "draft":
-            drafter = drafter_gguf(profile)
-        args = speculation_args(spec.method, ngram_type=config.ngram_type, drafter=drafter, depth=spec.depth,
-                                lookup=spec.ngram_max)
+        args = speculation_args(spec.method, ngram_type=config.ngram_type, drafter=server_drafter(profile),
+                                depth=spec.depth, lookup=spec.ngram_max, p_min=config.p_min)
     except BackendError as e:
         raise BackendError(f"{where}: {e}") from None
     if spec.method != "none":
@@ -208,26 +206,6 @@ def server_extra_buffers_work(user_binary, gguf: Path) -> bool:
     from specchat.backends.llamacpp import extra_buffers_work
 
     return True if not user_binary else extra_buffers_work(gguf, paths.cache_dir())
-
-
-def drafter_gguf(profile: Profile) -> Path:
-    """The profile's draft model as a GGUF file, as llama-server takes it."""
-    from specchat.backends.derived_files import derived_path
-    from specchat.backends.llamaserver.to_gguf import draft_model_to_gguf
-
-    path, kind = local_model(profile.speculative.drafter, profile.base_dir)
-    if kind == "gguf":
-        return path
-    if kind != "hf_dir":
-        raise BackendError(f"speculative.drafter {profile.speculative.drafter!r} is a {kind}; llama-server takes a "
-                           "GGUF draft model or a specchat draft model directory (converted once)")
-    import importlib.metadata
-
-    target, _ = target_path(profile)
-    weights = next(iter(sorted(path.glob("*.safetensors"))), path / "config.json")
-    dest = derived_path(paths.cache_dir(), "drafter-gguf", weights, importlib.metadata.version("gguf"), str(target),
-                        suffix=".gguf")
-    return dest if dest.exists() else draft_model_to_gguf(path, target, dest)
 
 
 def _say(line: str) -> None:

@@ -46,6 +46,17 @@ def add_llama_hparams(w, cfg: dict) -> None:
     w.add_vocab_size(cfg["vocab_size"])
 
 
+def copy_tokenizer(w, target) -> None:
+    """The target GGUF's tokenizer, key for key: llama-server takes a drafter only when its
+    vocabulary is the target's."""
+    import gguf
+
+    for key, field in target.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+
+
 def draft_model_to_gguf(hf_dir: Path, target_gguf: Path, dest: Path) -> Path:
     import gguf
 
@@ -73,10 +84,7 @@ def draft_model_to_gguf(hf_dir: Path, target_gguf: Path, dest: Path) -> Path:
     w.add_name(f"specchat draft model ({hf_dir.name})")
     add_llama_hparams(w, cfg)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    for key, field in target.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    copy_tokenizer(w, target)
 
     q8 = gguf.GGMLQuantizationType.Q8_0
 

@@ -1,0 +1,63 @@
+"""The drafter file a `backend: llamaserver` profile hands llama-server (`--spec-draft-model`).
+
+A GGUF drafter goes as it is. A specchat drafter directory (a draft model, an EAGLE-3 head, a
+DFlash drafter) is exported once into the cache, in the layout llama.cpp loads for the method
+(backends/llamaserver/to_gguf.py, drafter_export.py), and reused: the file is named by the
+directory's weights (path, size, time), the target and the exporter's version, so a retrained
+drafter or another target gets a fresh one. So `-p smollm2-eagle3` and `-p
+smollm2-llamaserver-eagle3` run one head's weights, each on its own engine.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+from typing import Optional
+
+from specchat import paths
+from specchat.backends.base import BackendError
+from specchat.models import local_model
+from specchat.profiles import Profile
+
+# method -> (what the directory holds, the cache folder); bump LAYOUT when an export changes
+EXPORTS = {"draft": ("a specchat draft model directory", "drafter-gguf"),
+           "eagle3": ("an EAGLE-3 head directory", "eagle3-gguf"),
+           "dflash": ("a DFlash drafter directory", "dflash-gguf")}
+LAYOUT = "1"
+
+
+def server_drafter(profile: Profile) -> Optional[Path]:
+    """The GGUF llama-server drafts with for the profile's method (None: the method needs none)."""
+    spec = profile.speculative
+    if spec.method in ("none", "ngram") or (spec.method == "mtp" and not spec.drafter):
+        return None  # draft-mtp without a file: the target's own MTP layers
+    path, kind = local_model(spec.drafter, profile.base_dir)
+    if kind == "gguf":
+        return path
+    if spec.method not in EXPORTS:
+        raise BackendError(f"speculative.drafter {spec.drafter!r} is a {kind}; llama-server's {spec.method} takes a "
+                           "GGUF file")
+    what, folder = EXPORTS[spec.method]
+    if kind != "hf_dir":
+        raise BackendError(f"speculative.drafter {spec.drafter!r} is a {kind}; llama-server takes a GGUF file or "
+                           f"{what} (exported once)")
+    target, _ = local_model(profile.model, profile.base_dir)
+    return exported(spec.method, path, target, folder)
+
+
+def exported(method: str, drafter_dir: Path, target: Path, folder: str) -> Path:
+    from specchat.backends.derived_files import derived_path
+
+    weights = next(iter(sorted(drafter_dir.glob("*.safetensors"))), drafter_dir / "config.json")
+    if not weights.exists():
+        raise BackendError(f"{drafter_dir}: no config.json or *.safetensors; not a drafter directory")
+    versions = [importlib.metadata.version("gguf"), str(target)] + ([LAYOUT] if method != "draft" else [])
+    dest = derived_path(paths.cache_dir(), folder, weights, *versions, suffix=".gguf")
+    if dest.exists():
+        return dest
+    if method == "draft":
+        from specchat.backends.llamaserver.to_gguf import draft_model_to_gguf
+
+        return draft_model_to_gguf(drafter_dir, target, dest)
+    from specchat.backends.llamaserver.drafter_export import export
+
+    return export(method, drafter_dir, target, dest)
