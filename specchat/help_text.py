@@ -141,6 +141,10 @@ examples:
     "train dflash": """\
 examples:
   specchat train dflash --data runs/data --out runs/my-dflash --block-size 4""",
+    "train export-gguf": """\
+examples:
+  specchat train export-gguf profiles/drafters/smollm2-eagle3 --out e3.gguf
+  then: llama-server -m TARGET.gguf --spec-type draft-eagle3 -md e3.gguf""",
     "train cost": """\
 examples:
   specchat train cost --target smollm2 --layers 1 2 --hidden 128 192 256""",
@@ -169,6 +173,8 @@ SUMMARIES = {
                     "output; SpecForge's layout, which vLLM and SGLang load",
     "train dflash": "train a DFlash block drafter (uses the target's hidden states, embedding and head) on "
                     "`train data` output",
+    "train export-gguf": "write a trained drafter (EAGLE-3 head, DFlash drafter, draft model) as the GGUF "
+                         "llama.cpp's llama-server drafts with",
     "train cost": "measure per-token cost of drafter shapes next to the target's",
 }
 

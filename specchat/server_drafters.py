@@ -61,3 +61,49 @@ def exported(method: str, drafter_dir: Path, target: Path, folder: str) -> Path:
     from specchat.backends.llamaserver.drafter_export import export
 
     return export(method, drafter_dir, target, dest)
+
+
+def detect_method(drafter_dir: Path) -> str:
+    """Which of EXPORTS a drafter directory is, from its config.json (one line when none)."""
+    import json
+
+    try:
+        config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise BackendError(f"{drafter_dir}: no readable config.json ({e}); a drafter is a directory with "
+                           "config.json and its weights") from None
+    arch = config.get("architectures") or []
+    if "DFlashDraftModel" in arch or "dflash_config" in config:
+        return "dflash"
+    if (config.get("draft_vocab_size") or config.get("speculators_model_type") == "eagle3"
+            or any("Eagle3" in a for a in arch)):
+        return "eagle3"
+    if "specchat_mtp" in config:
+        raise BackendError(f"{drafter_dir}: an MTP head, which llama.cpp has no file layout for: its draft-mtp runs "
+                           "the MTP (nextn) layers inside a target whose architecture has them (qwen35, glm4moe, "
+                           "...), and a llama-architecture target has none")
+    if config.get("model_type") == "llama" and not any(k.startswith("specchat_") for k in config):
+        return "draft"
+    raise BackendError(f"{drafter_dir}: not a draft model, EAGLE-3 head or DFlash drafter (architectures "
+                       f"{arch or 'unset'}); llama.cpp layouts exist here for those three")
+
+
+def export_drafter(drafter_dir: Path, target: Profile, dest: Path, method: Optional[str] = None) -> tuple[str, Path]:
+    """(method, file): the drafter directory written to `dest` in llama.cpp's layout for its
+    method, for the target of profile `target` (a GGUF: its tokenizer goes into the file)."""
+    drafter_dir = Path(drafter_dir)
+    method = method or detect_method(drafter_dir)
+    if method not in EXPORTS:
+        raise BackendError(f"--method {method}: llama.cpp layouts exist here for {', '.join(EXPORTS)}")
+    path, kind = local_model(target.model, target.base_dir)
+    if kind != "gguf":
+        raise BackendError(f"profile '{target.name}': its model {target.model!r} is a {kind}; the export copies the "
+                           "tokenizer of the target's GGUF (llama-server runs GGUF targets): name a GGUF profile")
+    if method == "draft":
+        from specchat.backends.llamaserver.to_gguf import draft_model_to_gguf
+
+        return method, draft_model_to_gguf(drafter_dir, path, dest)
+    from specchat.backends.llamaserver.drafter_export import export
+
+    return method, export(method, drafter_dir, path, dest)
+

@@ -1,4 +1,4 @@
-"""`specchat train prompts|data|tasks|corpus|unpack|draft|replayssm|mtp|eagle3|dflash`: argparse wiring (added to the main parser by `add_train_parser`)."""
+"""`specchat train prompts|data|tasks|corpus|unpack|draft|replayssm|mtp|eagle3|dflash|export-gguf`: argparse wiring (added to the main parser by `add_train_parser`)."""
 from __future__ import annotations
 
 import argparse
@@ -119,6 +119,17 @@ def cmd_cost(args) -> int:
     rows = measure(get_profile(args.target), shapes, threads=args.threads, say=_say)
     if args.json:
         print(json.dumps(rows))
+    return 0
+
+
+def cmd_export_gguf(args) -> int:
+    from specchat.server_drafters import export_drafter
+
+    drafter = Path(args.drafter)
+    out = Path(args.out) if args.out else drafter.parent / f"{drafter.name}.gguf"
+    method, path = export_drafter(drafter, get_profile(args.target), out, args.method)
+    _say(f"{drafter}: written as llama.cpp's {method} drafter to {path} (llama-server --spec-draft-model)")
+    print(path)
     return 0
 
 
@@ -252,6 +263,14 @@ def add_train_parser(sub) -> None:
     p.add_argument("--anchors", type=int, default=16, help="blocks per reply and step (default 16)")
     p.add_argument("--gamma", type=float, default=4.0, help="loss weight of block position k: exp(-(k-1)/gamma)")
     p.set_defaults(func=cmd_dflash)
+
+    p = tsub.add_parser("export-gguf", **subcommand("train export-gguf"))
+    p.add_argument("drafter", help="a drafter directory: an EAGLE-3 head, a DFlash drafter or a draft model")
+    p.add_argument("--target", default="smollm2", help="the profile of the drafter's target, whose GGUF gives the "
+                                                      "tokenizer (default smollm2)")
+    p.add_argument("--method", choices=("eagle3", "dflash", "draft"), help="the layout (default: from config.json)")
+    p.add_argument("--out", help="the GGUF to write (default: DRAFTER.gguf beside the directory)")
+    p.set_defaults(func=cmd_export_gguf)
 
     p = tsub.add_parser("cost", **subcommand("train cost"))
     p.add_argument("--target", default="smollm2")

@@ -138,3 +138,22 @@ def test_a_drafter_for_another_target_is_one_line(tiny, tmp_path):
     with pytest.raises(BackendError, match="not 'mtp'"):
         export("mtp", wide, target, tmp_path / "x.gguf")
     assert not list(tmp_path.glob("x.gguf*"))  # nothing half-written
+
+
+def test_train_export_gguf_writes_the_file_or_says_why_not(tiny, isolated_dirs, capsys):
+    from specchat import cli
+
+    _, _, target, head, _ = tiny
+    profiles = isolated_dirs / "user-profiles"
+    profiles.mkdir()
+    (profiles / "tiny.yaml").write_text(f"model: {target}\n")
+    out = isolated_dirs / "head.gguf"
+    assert cli.main(["train", "export-gguf", str(head), "--target", "tiny", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)  # the method read from config.json
+    assert contents(out)[0]["general.architecture"] == "eagle3"
+    mtp = isolated_dirs / "mtp"
+    mtp.mkdir()
+    (mtp / "config.json").write_text(json.dumps({"architectures": ["SpecchatMTPHead"], "specchat_mtp": {}}))
+    assert cli.main(["train", "export-gguf", str(mtp), "--target", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "llama.cpp has no file layout for" in err and len(err.strip().splitlines()) == 1
