@@ -28,8 +28,11 @@ LAYOUT = "1"
 def server_drafter(profile: Profile) -> Optional[Path]:
     """The GGUF llama-server drafts with for the profile's method (None: the method needs none)."""
     spec = profile.speculative
-    if spec.method in ("none", "ngram") or (spec.method == "mtp" and not spec.drafter):
+    if spec.method == "mtp" and not spec.drafter:
+        check_mtp_layers(local_model(profile.model, profile.base_dir)[0])
         return None  # draft-mtp without a file: the target's own MTP layers
+    if spec.method in ("none", "ngram"):
+        return None
     path, kind = local_model(spec.drafter, profile.base_dir)
     if kind == "gguf":
         return path
@@ -42,6 +45,19 @@ def server_drafter(profile: Profile) -> Optional[Path]:
                            f"{what} (exported once)")
     target, _ = local_model(profile.model, profile.base_dir)
     return exported(spec.method, path, target, folder)
+
+
+def check_mtp_layers(target: Path) -> None:
+    """llama-server's draft-mtp runs the target's own MTP (`nextn`) layers; a GGUF without them
+    stops the server with "model doesn't contain MTP layers" in its log. Said here in one line."""
+    from specchat.backends.weight_files import gguf_reader
+
+    reader = gguf_reader(target)
+    if not any(".nextn." in t.name for t in reader.tensors):
+        arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else "?"
+        raise BackendError(f"method mtp on llama-server runs the target's own MTP (nextn) layers, and {target.name} "
+                           f"({arch}) has none; name an MTP sidecar GGUF in speculative.drafter, or use a target "
+                           "that carries them (e.g. Qwen3.5, GLM-4.5 GGUFs)")
 
 
 def exported(method: str, drafter_dir: Path, target: Path, folder: str) -> Path:

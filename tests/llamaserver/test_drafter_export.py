@@ -157,3 +157,15 @@ def test_train_export_gguf_writes_the_file_or_says_why_not(tiny, isolated_dirs, 
     assert cli.main(["train", "export-gguf", str(mtp), "--target", "tiny"]) == 2
     err = capsys.readouterr().err
     assert "llama.cpp has no file layout for" in err and len(err.strip().splitlines()) == 1
+
+
+def test_mtp_without_a_file_needs_mtp_layers_in_the_target(tiny, isolated_dirs):
+    from specchat.profiles import get_profile
+    from specchat.server_drafters import server_drafter
+
+    _, _, target, _, _ = tiny
+    profiles = isolated_dirs / "user-profiles"
+    profiles.mkdir()
+    (profiles / "m.yaml").write_text(f"backend: llamaserver\nmodel: {target}\nspeculative: {{method: mtp}}\n")
+    with pytest.raises(BackendError, match=r"target's own MTP \(nextn\) layers, and target.gguf \(llama\) has none"):
+        server_drafter(get_profile("m"))
