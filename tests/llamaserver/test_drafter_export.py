@@ -169,3 +169,21 @@ def test_mtp_without_a_file_needs_mtp_layers_in_the_target(tiny, isolated_dirs):
     (profiles / "m.yaml").write_text(f"backend: llamaserver\nmodel: {target}\nspeculative: {{method: mtp}}\n")
     with pytest.raises(BackendError, match=r"target's own MTP \(nextn\) layers, and target.gguf \(llama\) has none"):
         server_drafter(get_profile("m"))
+
+
+def test_a_profiles_drafter_directory_is_exported_once_into_the_cache(tiny, isolated_dirs, monkeypatch):
+    from specchat.profiles import get_profile
+    from specchat.server_drafters import server_drafter
+
+    _, _, target, head, drafter = tiny
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(isolated_dirs / "cache"))
+    profiles = isolated_dirs / "user-profiles"
+    profiles.mkdir()
+    for method, path in (("eagle3", head), ("dflash", drafter)):
+        (profiles / f"{method}.yaml").write_text(f"backend: llamaserver\nmodel: {target}\n"
+                                                 f"speculative: {{method: {method}, drafter: {path}}}\n")
+        first = server_drafter(get_profile(method))
+        assert first.parent == isolated_dirs / "cache" / f"{method}-gguf" and first.suffix == ".gguf"
+        written = first.stat().st_mtime_ns
+        assert server_drafter(get_profile(method)) == first and first.stat().st_mtime_ns == written  # reused
+        assert contents(first)[0]["general.architecture"] == method
