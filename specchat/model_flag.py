@@ -193,6 +193,7 @@ def _replaced(profile: Profile, path: Path, kind: str) -> Profile:
 
 # ------------------------------------------------------------------ the engine, in words
 _DRAFTERS = {"draft": "the draft model", "eagle3": "the EAGLE-3 head", "dflash": "the DFlash drafter",
+             "dspark": "the DSpark drafter",
              "replayssm": "the recurrent drafter", "mtp": "the MTP head"}
 
 

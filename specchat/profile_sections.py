@@ -7,10 +7,9 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 METHODS = ("none", "draft", "ngram", "suffix", "mtp", "dflash", "replayssm", "eagle3", "dspark")
-# what a `backend: llamaserver` profile runs (backends/llamaserver/flags.py: onto llama.cpp's --spec-type);
-# dspark there only: specchat's own engine has no DSpark drafter
+# what a `backend: llamaserver` profile runs (backends/llamaserver/flags.py: onto llama.cpp's --spec-type)
 LLAMASERVER_METHODS = ("none", "ngram", "draft", "mtp", "eagle3", "dflash", "dspark")
-MODEL_DRAFTERS = ("draft", "mtp", "dflash", "replayssm", "eagle3")  # the methods `lookup` can sit in front of
+MODEL_DRAFTERS = ("draft", "mtp", "dflash", "dspark", "replayssm", "eagle3")  # the methods `lookup` can sit in front of
 
 
 class Strict(BaseModel):
@@ -87,8 +86,8 @@ class SpeculativeConfig(Strict):
         if self.method == "dflash" and not self.drafter:
             raise ValueError("method 'dflash' needs `drafter`: a DFlash drafter directory")
         if self.method == "dspark" and not self.drafter:
-            raise ValueError("method 'dspark' needs `drafter`: a DSpark drafter GGUF file (llama.cpp's dflash "
-                             "layout with a Markov head)")
+            raise ValueError("method 'dspark' needs `drafter`: a DSpark drafter directory (on llama-server also "
+                             "a GGUF file in llama.cpp's dflash layout with a Markov head)")
         if self.method == "eagle3" and not self.drafter:
             raise ValueError("method 'eagle3' needs `drafter`: an EAGLE-3 head directory (a public head, "
                              "or one made by `specchat train eagle3`)")

@@ -75,9 +75,6 @@ class Profile(Strict):
 
     @model_validator(mode="after")
     def _combination(self):
-        if self.speculative.method == "dspark" and self.backend != "llamaserver":
-            raise ValueError("method 'dspark' runs on llama-server only (backend: llamaserver): specchat's own "
-                             "engine has no DSpark drafter")
         if self.backend == "llamacpp" and self.speculative.method != "none":
             raise ValueError(
                 f"speculative method '{self.speculative.method}' needs backend 'torch' "

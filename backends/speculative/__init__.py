@@ -9,6 +9,7 @@
     mtp.py         the MTP drafter and the bookkeeping every head drafter shares (HeadDrafter)
     eagle3.py      the EAGLE-3 drafter (the head itself: native/eagle3.py)
     dflash.py      the DFlash block drafter: its model, loader and drafter
+    dspark.py      DSpark: DFlash's drafter with a low-rank Markov head chained through the block
     backend.py     SpeculativeBackend (a Backend whose stream is the loop) and SpeculativeSettings
 
 A drafter only proposes (`Drafter.propose` / `commit` in loop.py); verification, acceptance and

@@ -15,7 +15,7 @@ from .loop import Drafter, speculative_stream
 from .suffix import SuffixIndex, SuffixSettings
 
 
-METHODS = ("ngram", "suffix", "draft", "mtp", "dflash", "replayssm", "eagle3")
+METHODS = ("ngram", "suffix", "draft", "mtp", "dflash", "dspark", "replayssm", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def make_model_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
         return make_draft_model_drafter(s, target)
     if s.method == "mtp":
         return make_mtp_drafter(s, target)
-    if s.method == "dflash":
+    if s.method in ("dflash", "dspark"):
         return make_dflash_drafter(s, target)
     if s.method == "eagle3":
         return make_eagle3_drafter(s, target)
@@ -226,16 +226,23 @@ def check_builtin_mtp(path: Path) -> None:
 
 
 def make_dflash_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
+    """A DFlash drafter, or (method dspark) DFlash's block drafter with DSpark's Markov head."""
     from .dflash import DFlashDrafter, load_dflash
+    from .dspark import DSparkDrafter, load_dspark
 
+    what = "DSpark" if s.method == "dspark" else "DFlash"
     path = Path(s.drafter)
     if path.is_file():
-        raise BackendError(f"drafter {path} is a file; a DFlash drafter is a directory with config.json and "
+        raise BackendError(f"drafter {path} is a file; a {what} drafter is a directory with config.json and "
                            "safetensors")
-    model = load_dflash(path, target.model.cfg)
-    most = model.cfg.block_size - 1
-    if s.depth > most:
-        raise BackendError(f"depth {s.depth} is more than this DFlash drafter proposes per pass "
-                           f"(block_size {model.cfg.block_size}); set speculative.depth <= {most}")
+    want_q = s.acceptance == "rejection"
+    if s.method == "dspark":
+        drafter = DSparkDrafter(load_dspark(path, target.model.cfg), target, want_q)
+    else:
+        drafter = DFlashDrafter(load_dflash(path, target.model.cfg), target, want_q)
+    if s.depth > drafter.max_depth:
+        drafter.close()
+        raise BackendError(f"depth {s.depth} is more than this {what} drafter proposes per pass "
+                           f"(block_size {drafter.block_size}); set speculative.depth <= {drafter.max_depth}")
     target.warm_up(hidden=True)  # its taps need the compiled graphs that return layer outputs
-    return DFlashDrafter(model, target, want_q=s.acceptance == "rejection")
+    return drafter

@@ -237,24 +237,33 @@ def check_fits(cfg: DFlashConfig, target_cfg: ModelConfig, where: str) -> None:
 
 def load_dflash(path: Path, target_cfg: ModelConfig) -> DFlashModel:
     """A DFlash drafter directory (config.json + safetensors, sharded or not), checked against the target."""
+    cfg, tensors, _ = read_dflash(path, target_cfg)
+    return DFlashModel(cfg, tensors)
+
+
+def read_dflash(path: Path, target_cfg: ModelConfig, extra: frozenset[str] = frozenset(),
+                what: str = "DFlash") -> tuple[DFlashConfig, dict[str, Tensor], dict[str, Tensor]]:
+    """(config, the DFlash tensors checked against the config, the tensors named in `extra`: a
+    drafter built on DFlash's, such as DSpark's Markov head, checks those itself)."""
     path = Path(path)
     if not (path / "config.json").exists():
-        raise BackendError(f"{path}: no config.json; expected a DFlash drafter directory")
+        raise BackendError(f"{path}: no config.json; expected a {what} drafter directory")
     cfg = DFlashConfig.from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
     check_fits(cfg, target_cfg, str(path))
     want = {name: t.shape for name, t in fresh_tensors(cfg).items()}
     where = safetensors_files(path)
-    unknown = sorted(set(where) - set(want))
+    unknown = sorted(set(where) - set(want) - extra)
     if unknown:
-        raise BackendError(f"{path}: {len(unknown)} tensors a DFlash drafter does not have (e.g. {unknown[0]}); "
-                           "is this a DFlash checkpoint?")
+        raise BackendError(f"{path}: {len(unknown)} tensors a {what} drafter does not have (e.g. {unknown[0]}); "
+                           f"is this a {what} checkpoint?")
     missing = sorted(set(want) - set(where))
     if missing:
-        raise BackendError(f"{path}: tensor {missing[0]} missing ({len(missing)} in all); is this a DFlash checkpoint?")
+        raise BackendError(f"{path}: tensor {missing[0]} missing ({len(missing)} in all); is this a {what} checkpoint?")
     tensors = {}
     for f in sorted(set(where.values())):
         with open_safetensors(f) as st:
-            tensors.update({n: st.get_tensor(n).float() for n in st.keys() if n in want})
+            tensors.update({n: st.get_tensor(n).float() for n in st.keys() if n in want or n in extra})
+    others = {n: tensors.pop(n) for n in list(tensors) if n not in want}
     fc_in = len(cfg.target_layer_ids) * cfg.layer.dim
     if tensors["fc.weight"].shape[1] != fc_in:
         raise BackendError(f"{path}: fc.weight takes {tensors['fc.weight'].shape[1]} inputs but "
@@ -262,7 +271,7 @@ def load_dflash(path: Path, target_cfg: ModelConfig) -> DFlashModel:
     for name, t in tensors.items():
         if t.shape != want[name]:
             raise BackendError(f"{path}: {name} has shape {tuple(t.shape)}, the config implies {tuple(want[name])}")
-    return DFlashModel(cfg, tensors)
+    return cfg, tensors, others
 
 
 # ---- the drafter ----
@@ -278,6 +287,9 @@ class DFlashDrafter(Drafter):
     target's either way."""
 
     name = "dflash"
+    # the block slot whose output is the first draft: 1 in DFlash's layout (slot 0 holds the last
+    # committed token); 0 for anchor-first drafters (DSpark's released ones: B inputs, B drafts)
+    first_slot = 1
 
     def __init__(self, model: DFlashModel, target, want_q: bool = False):
         self.target = target  # a TorchBackend: its embedding, head and sampler are the drafter's
@@ -306,7 +318,7 @@ class DFlashDrafter(Drafter):
 
     @property
     def max_depth(self) -> int:
-        return self.cfg.block_size - 1
+        return self.cfg.block_size - self.first_slot
 
     def _features(self, hidden: dict[int, Tensor]) -> Tensor:
         return torch.cat([hidden[k] for k in self.hidden_layers], dim=-1)
@@ -347,7 +359,7 @@ class DFlashDrafter(Drafter):
             masks[SLIDING] = sliding_mask(positions[-B:], torch.arange(n - 1 + B, device=self.device),
                                           self.cfg.sliding_window)
         h = self.model(x, ctx, positions, masks, cache)
-        return self.logits(h[1:1 + depth])
+        return self.logits(h[self.first_slot:self.first_slot + depth])
 
     def logits(self, h: Tensor) -> Tensor:
         """The target's LM head on draft hidden states: one full-vocabulary row per drafted token,
@@ -359,7 +371,7 @@ class DFlashDrafter(Drafter):
         return F.linear(h.to(head.weight.dtype), head.weight).float()
 
     def propose(self, tokens: Sequence[int], depth: int) -> Draft:
-        depth = min(depth, self.cfg.block_size - 1, self.max_len - len(tokens))
+        depth = min(depth, self.max_depth, self.max_len - len(tokens))
         if depth <= 0:
             return Draft([])
         logits = self.draft_logits(tokens, depth)

@@ -8,11 +8,13 @@ from specchat.backends.base import Request, Sampling, Step, Summary
 from specchat.backends.native.engine import TorchBackend
 from specchat.backends.speculative.backend import SpeculativeBackend
 from specchat.backends.speculative.dflash import DFlashDrafter, load_dflash
+from specchat.backends.speculative.dspark import DSparkDrafter, load_dspark
 from specchat.backends.speculative.drafters import DraftModelDrafter, LookupFirst, NgramDrafter
 from specchat.compare import judge_tokens
 from specchat.verify import fresh, margin_function
 from tests.native.tiny import add_mtp_head, make_hf_checkpoint
 from tests.speculative.tiny_dflash import make_dflash_checkpoint
+from tests.speculative.tiny_dspark import make_dspark_checkpoint
 from tests.speculative.tiny_eagle3 import make_eagle3_checkpoint
 
 PROMPTS = [[{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}],
@@ -62,14 +64,17 @@ def mtp_drafter(target, path, acceptance="exact", hidden_source="post_norm"):
 def drafters(tiny_pair, target, eagle3_head, tmp_path_factory):
     """name -> factory(acceptance) of drafters: n-gram, a different model, the target itself, the
     target's MTP head (fed the final or the pre-norm hidden state), a random DFlash drafter, a
-    random EAGLE-3 head."""
+    random DSpark drafter (DFlash's with a Markov head), a random EAGLE-3 head."""
     draft_engine, self_engine = engine(tiny_pair[1]), engine(tiny_pair[0])
     dflash = load_dflash(make_dflash_checkpoint(tmp_path_factory.mktemp("dflash") / "d", tiny_pair[0], block_size=7),
+                         target.model.cfg)
+    dspark = load_dspark(make_dspark_checkpoint(tmp_path_factory.mktemp("dspark") / "d", tiny_pair[0], block_size=7),
                          target.model.cfg)
     return {
         "mtp": lambda acceptance: mtp_drafter(target, tiny_pair[0], acceptance),
         "mtp-prenorm": lambda acceptance: mtp_drafter(target, tiny_pair[0], acceptance, "pre_norm"),
         "dflash": lambda acceptance: DFlashDrafter(dflash, target, want_q=acceptance == "rejection"),
+        "dspark": lambda acceptance: DSparkDrafter(dspark, target, want_q=acceptance == "rejection"),
         "eagle3": lambda acceptance: eagle3_drafter(target, eagle3_head, acceptance),
         "ngram": lambda acceptance: NgramDrafter(1, 3),
         "ngram-copy": lambda acceptance: NgramDrafter(2, 3, copy_depth=12),  # longer drafts in copying runs
@@ -80,6 +85,8 @@ def drafters(tiny_pair, target, eagle3_head, tmp_path_factory):
         "mtp+lookup": lambda acceptance: with_lookup(mtp_drafter(target, tiny_pair[0], acceptance)),
         "dflash+lookup": lambda acceptance: with_lookup(
             DFlashDrafter(dflash, target, want_q=acceptance == "rejection")),
+        "dspark+lookup": lambda acceptance: with_lookup(
+            DSparkDrafter(dspark, target, want_q=acceptance == "rejection")),
         "eagle3+lookup": lambda acceptance: with_lookup(eagle3_drafter(target, eagle3_head, acceptance)),
         "draft+lookup": lambda acceptance: with_lookup(
             DraftModelDrafter(draft_engine, want_q=acceptance == "rejection")),

@@ -13,7 +13,7 @@ from specchat.verify import fresh
 from tests.speculative.conftest import PROMPTS, SAMPLINGS, Counting, compare
 
 
-@pytest.mark.parametrize("method", ["ngram", "ngram-copy", "draft", "self", "mtp", "mtp-prenorm", "dflash", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", "ngram-copy", "draft", "self", "mtp", "mtp-prenorm", "dflash", "dspark", "eagle3"])
 @pytest.mark.parametrize("depth", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "t1.2-topk-topp"])
 def test_speculative_equals_target_only(target, drafters, method, depth, sampling):
@@ -23,7 +23,7 @@ def test_speculative_equals_target_only(target, drafters, method, depth, samplin
     assert out.passes <= ref.passes
 
 
-@pytest.mark.parametrize("method", ["mtp+lookup", "dflash+lookup", "draft+lookup", "eagle3+lookup"])
+@pytest.mark.parametrize("method", ["mtp+lookup", "dflash+lookup", "dspark+lookup", "draft+lookup", "eagle3+lookup"])
 @pytest.mark.parametrize("depth", [1, 2, 5])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t0.8", "t1.2-topk-topp"])
 def test_lookup_first_keeps_parity_and_uses_both_drafters(target, drafters, method, depth, sampling):
@@ -63,8 +63,8 @@ def test_multi_turn_prefix_reuse_keeps_parity(target, drafters):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(method=st.sampled_from(["ngram", "ngram-copy", "draft", "mtp", "dflash", "mtp+lookup", "mtp+lookup-copy",
-                                 "dflash+lookup", "eagle3"]),
+@given(method=st.sampled_from(["ngram", "ngram-copy", "draft", "mtp", "dflash", "dspark", "mtp+lookup",
+                                 "mtp+lookup-copy", "dflash+lookup", "dspark+lookup", "eagle3"]),
        depth=st.integers(1, 16),  # long blocks too: copy runs verify up to 65 rows
        temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5]), top_k=st.sampled_from([0, 1, 5, 50]),
        top_p=st.sampled_from([1.0, 0.95, 0.5]), seed=st.integers(0, 2**31 - 1),
@@ -199,7 +199,7 @@ def test_draft_model_on_an_int4_target_guesses_with_an_int4_head(tmp_path):
     assert run_to_summary(fresh(spec).stream(request, sampling)).token_ids == ref.token_ids
 
 
-@pytest.mark.parametrize("method", ["ngram", "self", "mtp", "dflash", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", "self", "mtp", "dflash", "dspark", "eagle3"])
 def test_a_full_context_ends_where_target_only_ends(target, drafters, method):
     # no token at position context_length or beyond, however many drafts the last pass could take
     ref, out, verdict = compare(target, drafters[method]("exact"), 4, Sampling(max_tokens=1000))

@@ -11,7 +11,7 @@ from specchat.verify import fresh
 from tests.speculative.conftest import PROMPTS
 
 SAMPLINGS = [Sampling(max_tokens=24), Sampling(temperature=0.8, seed=3, max_tokens=24)]
-DRAFTERS = ["ngram", "draft", "mtp", "mtp-prenorm", "mtp+lookup", "dflash", "dflash+lookup", "eagle3"]
+DRAFTERS = ["ngram", "draft", "mtp", "mtp-prenorm", "mtp+lookup", "dflash", "dflash+lookup", "dspark", "eagle3"]
 
 
 def next_turn(first_messages, first_reply: str) -> Request:
@@ -62,7 +62,7 @@ def record_draft_states(drafter) -> list:
 
 
 @pytest.mark.parametrize("edited", [False, True], ids=["grown", "edited"])
-@pytest.mark.parametrize("name", ["mtp", "mtp-prenorm", "dflash", "mtp+lookup", "eagle3"])
+@pytest.mark.parametrize("name", ["mtp", "mtp-prenorm", "dflash", "dspark", "mtp+lookup", "eagle3"])
 def test_a_drafter_drafts_after_reuse_from_the_state_it_builds_from_scratch(target, drafters, name, edited):
     """The drafter state kept from the first turn is the state a fresh drafter builds over the same
     positions: every guess of the second turn comes from the same hidden states with reuse as
