@@ -141,6 +141,10 @@ examples:
     "train dflash": """\
 examples:
   specchat train dflash --data runs/data --out runs/my-dflash --block-size 4""",
+    "train dspark": """\
+examples:
+  specchat train dspark --data runs/data --out runs/my-dspark \\
+      --init profiles/drafters/smollm2-dflash""",
     "train export-gguf": """\
 examples:
   specchat train export-gguf profiles/drafters/smollm2-eagle3 --out e3.gguf
@@ -173,7 +177,9 @@ SUMMARIES = {
                     "output; SpecForge's layout, which vLLM and SGLang load",
     "train dflash": "train a DFlash block drafter (uses the target's hidden states, embedding and head) on "
                     "`train data` output",
-    "train export-gguf": "write a trained drafter (EAGLE-3 head, DFlash drafter, draft model) as the GGUF "
+    "train dspark": "train a DSpark drafter: a low-rank Markov head (each draft corrected from the one before) "
+                    "on top of a DFlash drafter, on `train data` output",
+    "train export-gguf": "write a trained drafter (EAGLE-3 head, DFlash or DSpark drafter, draft model) as the GGUF "
                          "llama.cpp's llama-server drafts with",
     "train cost": "measure per-token cost of drafter shapes next to the target's",
 }

@@ -1,4 +1,4 @@
-"""`specchat train prompts|data|tasks|corpus|unpack|draft|replayssm|mtp|eagle3|dflash|export-gguf`: argparse wiring (added to the main parser by `add_train_parser`)."""
+"""`specchat train prompts|data|tasks|corpus|unpack|draft|replayssm|mtp|eagle3|dflash|dspark|export-gguf`: argparse wiring (added to the main parser by `add_train_parser`)."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,8 @@ from pathlib import Path
 from specchat.help_text import subcommand
 from specchat.profiles import get_profile
 from specchat.train import BATCH_DTYPES
-from specchat.train.settings import (DFlashTrainConfig, DraftTrainConfig, Eagle3TrainConfig, MtpTrainConfig,
-                                     add_training_flags, config_from_args)
+from specchat.train.settings import (DFlashTrainConfig, DraftTrainConfig, DSparkTrainConfig, Eagle3TrainConfig,
+                                     MtpTrainConfig, add_training_flags, config_from_args)
 from specchat.train.tasks import KINDS
 
 
@@ -105,6 +105,15 @@ def cmd_dflash(args) -> int:
                         target_layers=args.target_layers or [], mask_token_id=args.mask_token_id)
     cfg = config_from_args(DFlashTrainConfig, args)
     train_dflash(get_profile(args.target), [Path(d) for d in args.data], Path(args.out), shape, cfg, say=_say)
+    return 0
+
+
+def cmd_dspark(args) -> int:
+    from specchat.train.dspark import DSparkShape, train_dspark
+
+    shape = DSparkShape(init=Path(args.init), rank=args.rank, train_backbone=args.train_backbone)
+    cfg = config_from_args(DSparkTrainConfig, args)
+    train_dspark(get_profile(args.target), [Path(d) for d in args.data], Path(args.out), shape, cfg, say=_say)
     return 0
 
 
@@ -264,11 +273,26 @@ def add_train_parser(sub) -> None:
     p.add_argument("--gamma", type=float, default=4.0, help="loss weight of block position k: exp(-(k-1)/gamma)")
     p.set_defaults(func=cmd_dflash)
 
+    p = tsub.add_parser("dspark", **subcommand("train dspark"))
+    add_training_flags(p, DSparkTrainConfig(), "drafter")
+    p.add_argument("--init", required=True, help="the DFlash drafter directory to build on (its block, layers and "
+                                                 "target layers), e.g. profiles/drafters/smollm2-dflash")
+    p.add_argument("--rank", type=int, default=64, help="rank r of the Markov head W2 . W1[prev] (default 64)")
+    p.add_argument("--train-backbone", action="store_true",
+                   help="train the DFlash drafter too (default: frozen, only the Markov head trains)")
+    p.add_argument("--tv-weight", type=float, default=0.9,
+                   help="weight of total variation to the target's top-k (default 0.9; DeepSpec's 0.1 CE + 0.9 TV)")
+    p.add_argument("--anchors", type=int, default=16, help="blocks per reply and step (default 16)")
+    p.add_argument("--gamma", type=float, default=4.0, help="loss weight of block position k: exp(-(k-1)/gamma)")
+    p.set_defaults(func=cmd_dspark)
+
     p = tsub.add_parser("export-gguf", **subcommand("train export-gguf"))
-    p.add_argument("drafter", help="a drafter directory: an EAGLE-3 head, a DFlash drafter or a draft model")
+    p.add_argument("drafter", help="a drafter directory: an EAGLE-3 head, a DFlash or DSpark drafter or a "
+                                           "draft model")
     p.add_argument("--target", default="smollm2", help="the profile of the drafter's target, whose GGUF gives the "
                                                       "tokenizer (default smollm2)")
-    p.add_argument("--method", choices=("eagle3", "dflash", "draft"), help="the layout (default: from config.json)")
+    p.add_argument("--method", choices=("eagle3", "dflash", "dspark", "draft"),
+                   help="the layout (default: from config.json)")
     p.add_argument("--out", help="the GGUF to write (default: DRAFTER.gguf beside the directory)")
     p.set_defaults(func=cmd_export_gguf)
 

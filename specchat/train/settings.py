@@ -68,6 +68,18 @@ class DFlashTrainConfig(TrainConfig):
     # (docs/results.md, the DFlash drafter)
 
 
+
+@dataclass
+class DSparkTrainConfig(DFlashTrainConfig):
+    # DeepSpec's DSpark recipe: 0.1 cross-entropy + 0.9 total variation to the target's
+    # distribution (1 - TV is the acceptance rate of rejection sampling); no KL
+    ce_weight: float = 0.1
+    kl_weight: float = 0.0
+    tv_weight: float = 0.9
+    lr: float = 3e-3
+    steps: int = 400
+
+
 # ---- the flags every trainer takes ----
 
 def add_training_flags(p: argparse.ArgumentParser, defaults: TrainConfig, what: str) -> None:
