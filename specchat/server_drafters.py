@@ -1,7 +1,7 @@
 """The drafter file a `backend: llamaserver` profile hands llama-server (`--spec-draft-model`).
 
 A GGUF drafter goes as it is. A specchat drafter directory (a draft model, an EAGLE-3 head, a
-DFlash drafter) is exported once into the cache, in the layout llama.cpp loads for the method
+DFlash or DSpark drafter) is exported once into the cache, in the layout llama.cpp loads for the method
 (backends/llamaserver/to_gguf.py, drafter_export.py), and reused: the file is named by the
 directory's weights (path, size, time), the target and the exporter's version, so a retrained
 drafter or another target gets a fresh one. So `-p smollm2-eagle3` and `-p
@@ -15,13 +15,15 @@ from typing import Optional
 
 from specchat import paths
 from specchat.backends.base import BackendError
+from specchat.backends.speculative.dspark import is_dspark_config
 from specchat.models import local_model
 from specchat.profiles import Profile
 
 # method -> (what the directory holds, the cache folder); bump LAYOUT when an export changes
 EXPORTS = {"draft": ("a specchat draft model directory", "drafter-gguf"),
            "eagle3": ("an EAGLE-3 head directory", "eagle3-gguf"),
-           "dflash": ("a DFlash drafter directory", "dflash-gguf")}
+           "dflash": ("a DFlash drafter directory", "dflash-gguf"),
+           "dspark": ("a DSpark drafter directory", "dspark-gguf")}
 LAYOUT = "1"
 
 
@@ -89,6 +91,8 @@ def detect_method(drafter_dir: Path) -> str:
         raise BackendError(f"{drafter_dir}: no readable config.json ({e}); a drafter is a directory with "
                            "config.json and its weights") from None
     arch = config.get("architectures") or []
+    if is_dspark_config(config):
+        return "dspark"
     if "DFlashDraftModel" in arch or "dflash_config" in config:
         return "dflash"
     if (config.get("draft_vocab_size") or config.get("speculators_model_type") == "eagle3"
@@ -100,8 +104,8 @@ def detect_method(drafter_dir: Path) -> str:
                            "...), and a llama-architecture target has none")
     if config.get("model_type") == "llama" and not any(k.startswith("specchat_") for k in config):
         return "draft"
-    raise BackendError(f"{drafter_dir}: not a draft model, EAGLE-3 head or DFlash drafter (architectures "
-                       f"{arch or 'unset'}); llama.cpp layouts exist here for those three")
+    raise BackendError(f"{drafter_dir}: not a draft model, EAGLE-3 head, DFlash or DSpark drafter (architectures "
+                       f"{arch or 'unset'}); llama.cpp layouts exist here for those four")
 
 
 def export_drafter(drafter_dir: Path, target: Profile, dest: Path, method: Optional[str] = None) -> tuple[str, Path]:

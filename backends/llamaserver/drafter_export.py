@@ -1,5 +1,5 @@
-"""specchat's EAGLE-3 heads and DFlash drafters as the GGUF files llama.cpp's `draft-eagle3` and
-`draft-dflash` load (`--spec-draft-model`).
+"""specchat's EAGLE-3 heads, DFlash and DSpark drafters as the GGUF files llama.cpp's
+`draft-eagle3`, `draft-dflash` and `draft-dspark` load (`--spec-draft-model`).
 
 The layout is the one llama.cpp's own converter writes (convert_hf_to_gguf.py of the vendored
 llama.cpp: conversion/llama.py for `LlamaForCausalLMEagle3`, conversion/qwen.py for
@@ -20,6 +20,11 @@ What llama.cpp reads:
   `target_layer_ids` (layer outputs) plus one; `fc`, `hidden_norm` as `enc.output_norm`, Qwen3
   layers (NeoX rotary: no permutation, q/k norms), `dflash.block_size`, the mask token as
   `tokenizer.ggml.mask_token_id`; the target's embedding and LM head.
+- DSpark (the same file, build_dspark_markov_head in dflash.cpp): DFlash's plus `markov_w1.weight`
+  and `markov_w2.weight` (DeepSpec's [vocab, rank] matrices as they are: ggml {rank, vocab}),
+  `conf_proj.{weight,bias}` where the drafter has a confidence head (else
+  `dflash.has_confidence_head` false, so `--spec-draft-p-min` is refused in one line by llama.cpp),
+  and `dflash.sample_from_anchor` from the drafter's config (false for specchat's: drafts from slot 1).
 
 Matrices are F16 for a drafter saved in 16 bits (as the converter's default `--outtype f16`), F32
 for one saved in 32; norms F32.
@@ -38,7 +43,7 @@ from ..base import BackendError
 from ..weight_files import gguf_reader, open_safetensors
 from .to_gguf import copy_tokenizer, permute_rows
 
-DRAFTERS = ("eagle3", "dflash")
+DRAFTERS = ("eagle3", "dflash", "dspark")
 # short layer names (backends/native/weights.py) -> llama.cpp's block tensor names
 LAYER_NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate",
                "up": "ffn_up", "down": "ffn_down", "attn_norm": "attn_norm", "mlp_norm": "ffn_norm",
@@ -186,10 +191,11 @@ def eagle3_to_gguf(head_dir: Path, target_gguf: Path, dest: Path) -> Path:
     return out.finish()
 
 
-def dflash_to_gguf(drafter_dir: Path, target_gguf: Path, dest: Path) -> Path:
+def dflash_to_gguf(drafter_dir: Path, target_gguf: Path, dest: Path, dspark: bool = False) -> Path:
     """A DFlash drafter directory (z-lab's released layout, as `specchat train dflash` writes it) as
-    llama.cpp's dflash GGUF."""
+    llama.cpp's dflash GGUF; with `dspark`, a DSpark drafter (DFlash's plus the Markov head)."""
     from ..speculative.dflash import SLIDING, DFlashConfig, fresh_tensors
+    from ..speculative import dspark as ds
     from ..native.weights import HF_LAYER_NAMES
 
     drafter_dir, target = Path(drafter_dir), gguf_reader(target_gguf)
@@ -210,15 +216,17 @@ def dflash_to_gguf(drafter_dir: Path, target_gguf: Path, dest: Path) -> Path:
         raise BackendError(f"{drafter_dir}: rope scaling {m.rope_scaling.get('rope_type', '')!r} is not exported "
                            "to llama.cpp's dflash here")
     want = fresh_tensors(c)
+    markov_names = {ds.W1, ds.W2, ds.CONF_W, ds.CONF_B} if dspark else set()
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(drafter_dir.glob("*.safetensors")):
         with open_safetensors(f) as st:
-            tensors.update({n: st.get_tensor(n) for n in st.keys() if n in want})
+            tensors.update({n: st.get_tensor(n) for n in st.keys() if n in want or n in markov_names})
+    markov = ds.markov_from({n: tensors[n] for n in markov_names if n in tensors}, c, str(drafter_dir)) if dspark else None
     missing = sorted(set(want) - set(tensors))
     if missing:
         raise BackendError(f"{drafter_dir}: tensor {missing[0]} missing ({len(missing)} in all); is this a DFlash drafter?")
     out = Writer(dest, "dflash", saved_dtype(drafter_dir))
-    out.w.add_name(f"specchat DFlash drafter ({drafter_dir.name})")
+    out.w.add_name(f"specchat {'DSpark' if dspark else 'DFlash'} drafter ({drafter_dir.name})")
     out.key("block_count", m.n_layers)
     out.attention(m, m.rope_theta)
     out.key("block_size", c.block_size)
@@ -237,6 +245,15 @@ def dflash_to_gguf(drafter_dir: Path, target_gguf: Path, dest: Path) -> Path:
             if name in tensors:
                 t = tensors[name]
                 (out.vector if t.dim() == 1 else out.matrix)(f"blk.{i}.{LAYER_NAMES[key]}.weight", t)
+    if markov is not None:
+        anchor = (json.loads(config.read_text()).get("dflash_config") or {}).get("sample_from_anchor", True)
+        out.key("sample_from_anchor", bool(anchor))
+        out.key("has_confidence_head", markov.conf_w is not None)
+        out.matrix("markov_w1.weight", tensors[ds.W1])
+        out.matrix("markov_w2.weight", tensors[ds.W2])
+        if markov.conf_w is not None:
+            out.matrix("conf_proj.weight", tensors[ds.CONF_W])
+            out.vector("conf_proj.bias", tensors[ds.CONF_B].reshape(1))
     return out.finish()
 
 
@@ -247,4 +264,6 @@ def export(kind: str, drafter_dir: Path, target_gguf: Path, dest: Path) -> Path:
     if not Path(drafter_dir).is_dir():
         raise BackendError(f"{drafter_dir}: not a directory; an {kind} drafter is a directory with config.json "
                            "and its weights")
-    return (eagle3_to_gguf if kind == "eagle3" else dflash_to_gguf)(drafter_dir, target_gguf, dest)
+    if kind == "eagle3":
+        return eagle3_to_gguf(drafter_dir, target_gguf, dest)
+    return dflash_to_gguf(drafter_dir, target_gguf, dest, dspark=kind == "dspark")

@@ -1,4 +1,4 @@
-"""specchat's EAGLE-3 heads and DFlash drafters exported in the GGUF layouts llama.cpp loads: what
+"""specchat's EAGLE-3 heads, DFlash and DSpark drafters exported in the GGUF layouts llama.cpp loads: what
 the file holds (read back by the gguf package), that it is what llama.cpp's own converter writes,
 and one line for a drafter that does not fit."""
 from __future__ import annotations
@@ -18,6 +18,7 @@ from specchat.backends.llamaserver.to_gguf import permute_rows
 from specchat.backends.weight_files import gguf_reader
 from tests.native.tiny import make_gguf, make_hf_checkpoint
 from tests.speculative.tiny_dflash import make_dflash_checkpoint
+from tests.speculative.tiny_dspark import make_dspark_checkpoint
 from tests.speculative.tiny_eagle3 import make_eagle3_checkpoint, raw_tensors
 
 
@@ -83,6 +84,31 @@ def test_a_dflash_drafter_is_written_as_llama_cpps_dflash(tiny, tmp_path):
     assert set(tensors) == {"fc.weight", "enc.output_norm.weight", "output_norm.weight"} | {
         f"blk.{i}.{n}.weight" for i in range(2) for n in layer}
     assert tensors["fc.weight"].shape.tolist() == [128, 64]  # two target layers fused
+
+
+def test_a_dspark_drafter_is_the_dflash_file_plus_the_markov_head(tiny, tmp_path):
+    from safetensors.torch import load_file
+
+    _, target_dir, target, _, _ = tiny
+    ck = make_dspark_checkpoint(tmp_path / "ds", target_dir, layers=2, block_size=5, target_layer_ids=(0, 2),
+                                rank=8, confidence=True)
+    keys, tensors = contents(export("dspark", ck, target, tmp_path / "d.gguf"))
+    dflash_keys, dflash_tensors = contents(export("dflash", ck, target, tmp_path / "f.gguf"))
+    assert keys["general.architecture"] == "dflash" and keys["dflash.block_size"] == 5
+    # specchat's DSpark drafts from slot 1 as DFlash does: llama.cpp's bonus-anchor layout
+    assert keys["dflash.sample_from_anchor"] is False and keys["dflash.has_confidence_head"] is True
+    assert set(tensors) == set(dflash_tensors) | {"markov_w1.weight", "markov_w2.weight", "conf_proj.weight",
+                                                   "conf_proj.bias"}
+    w = load_file(str(ck / "model.safetensors"))
+    vocab = w["markov_head.markov_w1.weight"].shape[0]
+    assert tensors["markov_w1.weight"].shape.tolist() == [8, vocab]  # ggml's {rank, n_vocab}
+    assert tensors["conf_proj.weight"].shape.tolist() == [64 + 8, 1]
+    np.testing.assert_allclose(values(tensors["markov_w2.weight"]).reshape(vocab, 8),
+                               w["markov_head.markov_w2.weight"].numpy(), rtol=1e-3, atol=1e-3)
+    bare = make_dflash_checkpoint(tmp_path / "bare", target_dir, block_size=5)
+    with pytest.raises(BackendError, match="markov_head.markov_w1.weight missing"):
+        export("dspark", bare, target, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
 
 
 CONVERT = """
