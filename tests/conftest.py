@@ -11,6 +11,9 @@ def isolated_dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECCHAT_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("SPECCHAT_PROFILES_DIR", str(tmp_path / "user-profiles"))
     monkeypatch.delenv("SPECCHAT_DEBUG", raising=False)
+    # every model built from its file (test_built_models.py turns the store on): a test that changes how
+    # a model is read must meet its own build, not one an earlier test kept in the shared cache
+    monkeypatch.setenv("SPECCHAT_BUILT_MODELS", "0")
     return tmp_path
 
 

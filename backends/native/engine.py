@@ -23,11 +23,9 @@ from . import sampling as sampler
 from .background_graphs import BackgroundGraphs, compile_unavailable, is_compiler_error, threads_beside
 from .exact_rows import model_matmuls_keep_row_bits
 from .graph_store import GraphStore, Variant
-from .model import Transformer
+from .built_models import load_checkpoint, load_or_build  # noqa: F401 - load_checkpoint: the trainers' entry
 from .tokenizer import ChatTokenizer
-from .kquant import activation_dtype, has_blocks
 from .recurrent_state import ROLLBACK_MODES
-from .weights import Checkpoint, build_model, load_hf_dir
 
 # A hybrid model's rollback when a profile says auto, per device type: the one that measures
 # cheaper there (scripts/bench_recurrent.py; docs/results.md, "recurrent-state rollback"). CUDA is
@@ -41,26 +39,6 @@ PRECISIONS = ("float32", "bfloat16", "float16", "int4")
 # Precisions whose CPU matmul kernels are row-invariant, so that a row-exact pass over K tokens
 # equals K single-token passes bit for bit (exact_rows.py).
 ROW_INVARIANT_PRECISIONS = ("bfloat16", "int4")
-
-
-def load_checkpoint(path: Path, kind: str, keep_int4: bool, cache_dir: Path | None = None, quantize=False):
-    if kind == "gguf":
-        from .gguf_loader import load_gguf
-
-        return load_gguf(path, keep_int4=keep_int4, cache_dir=cache_dir)  # other types stay as they are
-    return load_hf_dir(path, int4=quantize)
-
-
-def choose_precision(requested: str, device: torch.device, ck: Checkpoint) -> str:
-    """'auto' on CPU: the int4 kernel when the GGUF holds Q4 blocks (the fastest path for a small
-    model), else float32 (no slower than bfloat16 on CPU for small models; re-measure:
-    scripts/bench_engine.py). On CUDA: bfloat16. A fixed rule, not a timing at load, so one
-    profile always computes the same thing."""
-    if requested != "auto":
-        return requested
-    if device.type != "cpu":
-        return "bfloat16"
-    return "int4" if has_blocks(ck.layers) else "float32"
 
 
 class TorchBackend(Backend):
@@ -96,35 +74,23 @@ class TorchBackend(Backend):
         self.threads = thread_count(threads)
         torch.set_num_threads(threads_beside(self.threads))
         started = time.perf_counter()
-        ck = load_checkpoint(path, kind, keep_int4=precision in ("auto", "int4") and self.device.type == "cpu",
-                             cache_dir=cache_dir, quantize=precision == "int4" and self.device.type == "cpu")
-        self.precision = choose_precision(precision, self.device, ck)
-        if self.precision == "int4" and self.device.type != "cpu":
-            raise BackendError("precision int4 runs on CPU only; use bfloat16 on CUDA")
-        dtype = activation_dtype(ck.layers) if self.precision == "int4" else getattr(torch, self.precision)
-        self._context = min(context, ck.cfg.max_position) if ck.cfg.max_position else context
-        no_graphs = None  # why compile: true cannot be had
-        if ck.cfg.moe and compile:
-            no_graphs = (f"{path.name} is a mixture-of-experts model, whose compiled decode graphs specchat does "
-                         "not build yet; set compile: false")
-        elif ck.cfg.sliding_window and compile:
-            no_graphs = (f"{path.name} has sliding-window attention layers, for which specchat does not build "
-                         "compiled decode graphs yet; set compile: false")
-        elif ck.cfg.hybrid and compile and (rollback == "replay" or self.device.type != "cpu"  # graph_state.py
-                                            or self.precision not in ROW_INVARIANT_PRECISIONS):
-            no_graphs = (f"{path.name} is a hybrid (linear-attention) model, whose compiled decode graphs run on CPU "
-                         "in bfloat16 or int4 and roll back with snapshots; set dtype: bfloat16 and rollback: snapshot "
-                         "(or auto), or compile: false")
-        if no_graphs:
-            if not compile_in_background:
-                raise BackendError(no_graphs)
-            compile = False  # a chat answers on eager passes and says why, as without a compiler
         self.rollback = DEFAULT_ROLLBACK[self.device.type] if rollback == "auto" else rollback
+        refusals: list[str] = []  # why compile: true cannot be had, found before the build (minutes for a MoE)
+
+        def check(cfg, chosen: str) -> None:
+            if compile and (why := self._no_graphs(path.name, cfg, chosen, rollback)):
+                if not compile_in_background:
+                    raise BackendError(why)
+                refusals.append(why)
+
+        # kept by an earlier start (built_models.py), else built; `keeping` stores it for the next one
+        self.model, self.precision, self.keeping = load_or_build(path, kind, precision, self.device, context,
+                                                                 self.rollback, cache_dir, check)
+        self._context, cfg = self.model.max_len, self.model.cfg
+        no_graphs = refusals[0] if refusals else None
+        compile = compile and not no_graphs  # a chat answers on eager passes and says why, as without a compiler
         # a hybrid's layer layout (L: linear attention, A: attention), which shapes its graphs' inputs
-        ck_layout = "".join("LA"[not ck.cfg.is_linear(i)] for i in range(ck.cfg.n_layers)) if ck.cfg.hybrid else ""
-        self.model: Transformer = build_model(ck, dtype, self._context, int4=self.precision == "int4",
-                                              device=self.device, rollback=self.rollback)
-        del ck
+        ck_layout = "".join("LA"[not cfg.is_linear(i)] for i in range(cfg.n_layers)) if cfg.hybrid else ""
         self.tokenizer = ChatTokenizer(path, cache_dir)
         self.eos_ids: frozenset[int] = self.tokenizer.eos_ids
         self.cached: list[int] = []  # token ids whose keys/values are in the cache, in order
@@ -150,6 +116,21 @@ class TorchBackend(Backend):
         elif (self.device.type == "cuda" or compile) and not self.model.cfg.hybrid:
             self.model.use_static_shapes(compile=compile)
         self.load_s = time.perf_counter() - started  # with the first start's compilation, if any
+
+    def _no_graphs(self, name: str, cfg, precision: str, rollback: str) -> Optional[str]:
+        """Why compiled decode graphs cannot be had for this model, or None."""
+        if cfg.moe:
+            return (f"{name} is a mixture-of-experts model, whose compiled decode graphs specchat does not build "
+                    "yet; set compile: false")
+        if cfg.sliding_window:
+            return (f"{name} has sliding-window attention layers, for which specchat does not build compiled "
+                    "decode graphs yet; set compile: false")
+        if cfg.hybrid and (rollback == "replay" or self.device.type != "cpu"  # graph_state.py
+                           or precision not in ROW_INVARIANT_PRECISIONS):
+            return (f"{name} is a hybrid (linear-attention) model, whose compiled decode graphs run on CPU in "
+                    "bfloat16 or int4 and roll back with snapshots; set dtype: bfloat16 and rollback: snapshot "
+                    "(or auto), or compile: false")
+        return None
 
     def graph_variants(self, hidden: bool = False) -> list[Variant]:
         """The compiled graphs decoding needs: the one-row graph and, where verify blocks can be

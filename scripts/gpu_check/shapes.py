@@ -95,14 +95,14 @@ def weights_in_memory(model: RandomModel):
     reading files: its own constructor still chooses the precision, builds the model on the
     device, sets up static shapes or compiled graphs and loads the tokenizer. (Writing 16 GB of
     safetensors to read them back would cost more of the device's minutes than the measurement.)"""
-    from specchat.backends.native import engine
+    from specchat.backends.native import built_models
 
-    original = engine.load_checkpoint
-    engine.load_checkpoint = lambda path, kind, **options: checkpoint_of(model.hf)  # options: the engine's own
+    original = built_models.load_checkpoint
+    built_models.load_checkpoint = lambda path, kind, **options: checkpoint_of(model.hf)  # options: the engine's own
     try:
         yield
     finally:
-        engine.load_checkpoint = original
+        built_models.load_checkpoint = original
 
 
 def engine_on(model: RandomModel, **settings):
