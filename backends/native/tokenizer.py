@@ -16,21 +16,43 @@ from ..derived_files import derived_path
 
 
 def gguf_tokenizer_dir(gguf_path: Path, cache_dir: Path) -> Path:
-    import transformers
+    from importlib.metadata import version  # transformers' own, without importing it
 
-    return derived_path(cache_dir, "tokenizers", gguf_path, transformers.__version__)
+    return derived_path(cache_dir, "tokenizers", gguf_path, version("transformers"))
+
+
+# the class transformers itself builds for a tokenizer.json without a model-specific tokenizer class
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _from_dir(folder: Path):
+    """AutoTokenizer.from_pretrained(folder); where the folder's config names the generic class (every
+    tokenizer specchat saves from a GGUF but gemma's and qwen2's), that class itself, which is what
+    AutoTokenizer makes of it: without the auto machinery's imports, a few tenths of a second of
+    every start (scripts/bench_start.py)."""
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named in GENERIC_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def _load_hf_tokenizer(path: Path, cache_dir: Path | None):
-    from transformers import AutoTokenizer
-
     if path.is_dir():
-        return AutoTokenizer.from_pretrained(str(path))
+        return _from_dir(path)
+    cached = gguf_tokenizer_dir(path, cache_dir) if cache_dir is not None else None
+    if cached is not None and (cached / "tokenizer_config.json").exists():
+        return _from_dir(cached)
+    from transformers import AutoTokenizer  # a GGUF's own tokenizer: built from its metadata, once
+
     if cache_dir is None:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    cached = gguf_tokenizer_dir(path, cache_dir)
-    if (cached / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(str(cached))
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
@@ -41,7 +63,7 @@ def _load_hf_tokenizer(path: Path, cache_dir: Path | None):
         shutil.rmtree(tmp, ignore_errors=True)
     # the saved one, as every later start loads it: a tokenizer transformers builds from GGUF metadata
     # need not tokenize as it does once saved (gemma3's, of a byte-level BPE vocabulary, did not)
-    return AutoTokenizer.from_pretrained(str(cached))
+    return _from_dir(cached)
 
 
 class ChatTokenizer:

@@ -1,0 +1,43 @@
+"""The chat tokenizer (backends/native/tokenizer.py): a saved tokenizer whose config names transformers'
+generic class is loaded as that class directly, and renders, encodes and decodes exactly as
+AutoTokenizer's does; others still go through AutoTokenizer."""
+from __future__ import annotations
+
+import json
+
+from transformers import AutoTokenizer
+
+from specchat import paths
+from specchat.backends.native.tokenizer import GENERIC_CLASSES, ChatTokenizer, gguf_tokenizer_dir
+
+CHATS = [[{"role": "user", "content": "Héllo 👋, what is 2+2?\n\tTabs   and spaces."}],
+         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write `print(1)`"},
+          {"role": "assistant", "content": "print(1)"}, {"role": "user", "content": "Now in C:"}]]
+
+
+def test_the_generic_class_is_what_autotokenizer_makes_of_the_saved_tokenizer(default_gguf):
+    ours = ChatTokenizer(default_gguf, paths.cache_dir())
+    folder = gguf_tokenizer_dir(default_gguf, paths.cache_dir())
+    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] in GENERIC_CLASSES
+    auto = AutoTokenizer.from_pretrained(str(folder))
+    assert type(ours.hf) is type(auto)
+    for chat in CHATS:
+        text = auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert ours.render_chat(chat) == text
+        ids = auto(text, add_special_tokens=False)["input_ids"]
+        assert ours.encode_chat(chat) == ids
+        assert ours.decode(ids) == auto.decode(ids, skip_special_tokens=True)
+    assert ours.eos_ids == frozenset({auto.eos_token_id})
+
+
+def test_a_model_specific_class_still_goes_through_autotokenizer(tiny_dirs, tmp_path):
+    folder = tmp_path / "tok"
+    AutoTokenizer.from_pretrained(str(tiny_dirs["llama"])).save_pretrained(str(folder))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("config.json",):  # the tiny checkpoint's own files, so that the folder is a model
+        (folder / name).write_bytes((tiny_dirs["llama"] / name).read_bytes())
+    tok = ChatTokenizer(folder)
+    assert type(tok.hf) is type(AutoTokenizer.from_pretrained(str(folder)))
+    assert type(tok.hf).__name__ not in GENERIC_CLASSES
