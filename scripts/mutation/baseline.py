@@ -37,6 +37,7 @@ TEST_FILES = [
     "tests/speculative/test_rejection.py",
     "tests/speculative/test_mtp_drafter.py",
     "tests/speculative/test_dflash.py",
+    "tests/speculative/test_dspark.py",
     "tests/speculative/test_gate.py",
     "tests/speculative/test_replay.py",
     "tests/speculative/test_parity.py",

@@ -21,6 +21,7 @@ SCOPES: dict[str, list[str] | None] = {
     "backends/speculative/ngram.py": None,
     "backends/speculative/mtp.py": ["MtpDrafter"],
     "backends/speculative/dflash.py": ["DFlashDrafter", "ContextCache"],
+    "backends/speculative/dspark.py": ["DSparkDrafter", "MarkovHead"],
     "backends/speculative/replay.py": ["verify_row_choice"],
     "backends/native/model.py": ["KVCache.write", "KVCache.truncate"],
     "backends/native/sampling.py": None,  # the position-keyed sampler, hash included (its noise is pinned)

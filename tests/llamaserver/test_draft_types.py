@@ -1,5 +1,5 @@
 """llama.cpp's model draft types on a real llama-server, with specchat's shipped SmolLM2 drafters
-exported in llama.cpp's layouts: the server loads them, drafts, and streams token ids with the
+(EAGLE-3, DFlash, DSpark) exported in llama.cpp's layouts: the server loads them, drafts, and streams token ids with the
 passes its counters report."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ DRAFTERS = Path(__file__).resolve().parents[2] / "profiles" / "drafters"
 CODE = [{"role": "user", "content": "Write a Python function that reverses a list, with an example."}]
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
 def test_an_exported_drafter_drafts_on_llama_server(method, start, default_gguf, tmp_path):
     drafter = export(method, DRAFTERS / f"smollm2-{method}", default_gguf, tmp_path / f"{method}.gguf")
     server = start(speculation_args(method, drafter=drafter, depth=3))
