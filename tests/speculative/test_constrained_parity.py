@@ -29,7 +29,7 @@ CASES = [(2, Sampling(max_tokens=MAX)), (5, Sampling(temperature=0.8, seed=3, ma
          (3, Sampling(temperature=1.2, top_k=20, top_p=0.9, seed=5, max_tokens=MAX))]
 CASE_IDS = ["greedy-d2", "t0.8-d5", "t1.2-topk-topp-d3"]
 METHODS = ["ngram", "ngram-copy", "draft", "self", "mtp", "mtp-prenorm", "dflash", "eagle3", "mtp+lookup",
-           "draft+lookup"]
+           "draft+lookup", "dspark"]
 
 
 def constrained(messages, constraint):
