@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 KIND = "built-models"
 KEEP = 4  # entries kept: a few models switched between; each is about its model's memory on disk
 CODE = Path(__file__).parent  # every module and kernel source here shapes what is built
+SPARE_DISK = 10 << 30  # disk left free beside an entry (twice its size: the newest and one being written)
 SIZED = ("cache", "rope_cos", "rope_sin", "local_rope")  # a model's parts sized by the context: not kept
 
 
@@ -133,11 +135,23 @@ def load(entry: Path, context: int) -> Optional[tuple[Transformer, str]]:
     return model, precision
 
 
-def keep(entry: Path, model: Transformer, precision: str) -> threading.Thread:
+def keep(entry: Path, model: Transformer, precision: str) -> Optional[threading.Thread]:
     """Write the entry in a thread (the first start answers meanwhile; the process waits for it
     before it exits): a shallow copy of the model without its KV cache and RoPE tables (the model
     itself is not touched), then the oldest entries past KEEP removed. A failed write is said in one
-    log line and leaves nothing behind."""
+    log line and leaves nothing behind; where the disk would keep less than SPARE_DISK beside twice the
+    entry, nothing is written."""
+    size = sum(n for part, n in memory_plan.held_bytes(model).items() if part != "cache")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(entry.parent).free
+    except OSError as e:
+        log.warning("the built model is not stored (%s)", e)
+        return None
+    if free < 2 * size + SPARE_DISK:  # a big model's entry would crowd the disk: every start builds it
+        log.warning("the built model (%.1f GB) is not stored: %.1f GB free on the cache's disk", size / 1e9,
+                    free / 1e9)
+        return None
     bare = copy.copy(model)  # its own attribute dict; modules and parameters shared
     for name in SIZED:
         bare.__dict__[name] = None
@@ -145,7 +159,6 @@ def keep(entry: Path, model: Transformer, precision: str) -> threading.Thread:
     def write() -> None:
         tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
         try:
-            entry.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"model": bare, "precision": precision}, tmp)
             os.replace(tmp, entry)
             for old in sorted(entry.parent.glob("*.pt"), key=lambda p: p.stat().st_mtime, reverse=True)[KEEP:]:

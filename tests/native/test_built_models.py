@@ -84,3 +84,9 @@ def test_without_a_cache_directory_or_with_the_store_off_nothing_is_kept(tiny_gg
     assert TorchBackend(tiny_ggufs["Q4_1"], threads=2, context=32).keeping is None
     monkeypatch.setenv("SPECCHAT_BUILT_MODELS", "0")
     assert engine(tiny_ggufs["Q4_1"], tmp_path).keeping is None and not entries(tmp_path)
+
+
+def test_a_disk_too_full_for_the_entry_keeps_nothing(tiny_ggufs, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(built_models, "SPARE_DISK", 1 << 60)
+    e = engine(tiny_ggufs["Q4_1"], tmp_path)
+    assert e.keeping is None and not entries(tmp_path) and "is not stored" in caplog.text
