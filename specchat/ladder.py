@@ -16,6 +16,7 @@ from specchat.backends.base import BackendError
 from specchat.bench import ProfileResult, Run, run_one, speedup, warm_up
 from specchat.profiles import Profile
 from specchat.prompts import PromptItem
+from specchat.verify import fresh
 
 PLATEAU_GAIN = 0.1  # a rung adding fewer tokens per drafted pass than this is on the plateau
 
@@ -93,13 +94,16 @@ def run_ladder(profile: Profile, depths: list[int], prompts: list[PromptItem],
             rungs.append((d, ProfileResult(p.name, p, reference=reference.label)))
         warm_up(spec.target, ref_profile)
         warm_up(spec, profile)
+        # every run from an empty cache, as `verify` runs: a run that found the prompt cached by the one
+        # before would take its first token from a one-row pass instead of the prefill's last row (other
+        # arithmetic, so near-ties may fall the other way) and its TTFT without the prefill
         for item in prompts:
-            run = run_one(spec.target, ref_profile, item)
+            run = run_one(fresh(spec.target), ref_profile, item)
             reference.runs.append(run)
             on_run(reference.label, run)
             for d, res in rungs:
                 spec.depth = d
-                run = run_one(spec, res.profile, item)
+                run = run_one(fresh(spec), res.profile, item)
                 res.runs.append(run)
                 on_run(res.label, run)
     finally:

@@ -76,3 +76,24 @@ def test_depths_beyond_a_dflash_block_are_refused(isolated_dirs, tmp_path, capsy
     assert cli.main(["ladder", "-p", "tiny-dflash", "--depths", "1-6", "--prompts", str(prompts)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "at most 3 tokens per pass; use --depths 1-3" in err.strip().splitlines()[-1]
+
+
+def test_every_run_starts_from_an_empty_cache(tiny_mtp_profile, monkeypatch):
+    """As `verify` runs: a rung that found the prompt cached by the run before would take its first
+    token from a one-row pass instead of the prefill's last row (other arithmetic: on the real model
+    4 of 16 Spec-Bench replies then differed from the reference's at the first near-tie)."""
+    from specchat.profiles import get_profile
+    from specchat.prompts import PromptItem
+
+    seen = []
+    real = ladder.run_one
+
+    def recording(backend, profile, item):
+        engine = getattr(backend, "target", backend)
+        seen.append(len(engine.cached))
+        return real(backend, profile, item)
+
+    monkeypatch.setattr(ladder, "run_one", recording)
+    items = [PromptItem(id=str(i), category="t", turns=[text]) for i, text in enumerate(["the quick brown fox", "hello"])]
+    out = ladder.run_ladder(get_profile(tiny_mtp_profile).model_copy(update={"max_tokens": 6}), [1, 2], items)
+    assert seen == [0] * 6 and len(out.reference.runs) == 2
