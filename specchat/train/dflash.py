@@ -213,6 +213,27 @@ def retrain_command(profile, data: list[Path], out: Path, shape: DFlashShape,
                         f"{flags_of(cfg)}")
 
 
+def check_target(engine, profile, examples, data: list[Path]) -> None:
+    """The examples' ids within the target's vocabulary, and its LM head a float one (the trainers
+    read it as the frozen head)."""
+    if max(int(e.tokens.max()) for e in examples) >= engine.model.cfg.vocab_size:
+        raise BackendError(f"{data[0]}: token ids beyond the target's vocabulary; was it made with another target?")
+    if engine.model.head.weight is None:
+        raise BackendError(f"profile '{profile.name}': the target's LM head is int4-packed; train with dtype float32")
+
+
+def frozen_target(engine, examples, train_set, eval_set, layer_ids, features: Path, say) -> tuple:
+    """(training features, held-out features, embedding, head) from the target, which is closed after:
+    the tapped layers' features of every example (computed and cached in load order, so another
+    hold-out split reuses them), and its float embedding and head, frozen."""
+    last = engine.model.cfg.n_layers - 1
+    keys = tuple(FINAL if i == last else i for i in layer_ids)
+    by_id = dict(zip((e.id for e in examples), target_features(engine, examples, keys, features, say)))
+    embed, head = engine.model.embed.float(), engine.model.head.weight.float()
+    engine.close()
+    return [by_id[e.id] for e in train_set], [by_id[e.id] for e in eval_set], embed, head
+
+
 def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: DFlashTrainConfig, say=print) -> dict:
     from specchat.loading import load_target
 
@@ -226,10 +247,7 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
     longest = max(len(e.tokens) for e in examples)
     engine = load_target(profile, threads=cfg.threads, context=longest)
     t = engine.model.cfg
-    if max(int(e.tokens.max()) for e in examples) >= t.vocab_size:
-        raise BackendError(f"{data[0]}: token ids beyond the target's vocabulary; was it made with another target?")
-    if engine.model.head.weight is None:
-        raise BackendError(f"profile '{profile.name}': the target's LM head is int4-packed; train with dtype float32")
+    check_target(engine, profile, examples, data)
     mask_id = shape.mask_token_id if shape.mask_token_id is not None else default_mask_token(engine.tokenizer,
                                                                                              t.vocab_size)
     if shape.block_size < 2:
@@ -239,13 +257,8 @@ def train_dflash(profile, data: list[Path], out: Path, shape: DFlashShape, cfg: 
     settings = {"shape": asdict(shape) | {"target_layers": dcfg.target_layer_ids, "mask_token_id": mask_id},
                 "train": cfg.settings(), "data": [str(d) for d in data], "target": profile.name, "samples": len(examples)}
     state = loop.TrainState(out, settings)  # refuses a run with other settings before the costly features
-    keys = tuple(FINAL if i == t.n_layers - 1 else i for i in dcfg.target_layer_ids)
-    # computed (and cached) in load order, so another hold-out split reuses them
-    by_id = dict(zip((e.id for e in examples),
-                     target_features(engine, examples, keys, state.dir / "features.safetensors", say)))
-    train_feats, eval_feats = [by_id[e.id] for e in train_set], [by_id[e.id] for e in eval_set]
-    embed, head = engine.model.embed.float(), engine.model.head.weight.float()  # frozen
-    engine.close()
+    train_feats, eval_feats, embed, head = frozen_target(engine, examples, train_set, eval_set, dcfg.target_layer_ids,
+                                                         state.dir / "features.safetensors", say)
 
     torch.manual_seed(cfg.seed)
     model = DFlashModel(dcfg, fresh_tensors(dcfg, torch.Generator().manual_seed(cfg.seed))).requires_grad_(True)

@@ -29,12 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specchat.backends.base import BackendError
-from specchat.backends.native.model import FINAL
 from specchat.backends.speculative.dflash import FULL, DFlashModel, load_dflash
 from specchat.backends.speculative.dspark import MarkovHead, config_json, fresh_markov
 from specchat.train import loop
 from specchat.train.card import data_info_of, full_command
-from specchat.train.dflash import Batch, anchors_of, make_batch, target_features
+from specchat.train.dflash import Batch, anchors_of, check_target, frozen_target, make_batch
 from specchat.train.examples import load_examples, schedule, split
 from specchat.train.settings import DSparkTrainConfig, flags_of
 
@@ -133,22 +132,15 @@ def train_dspark(profile, data: list[Path], out: Path, shape: DSparkShape, cfg: 
         raise BackendError(f"--rank {shape.rank}: the Markov head needs a rank of at least 1")
     engine = load_target(profile, threads=cfg.threads, context=max(len(e.tokens) for e in examples))
     t = engine.model.cfg
-    if max(int(e.tokens.max()) for e in examples) >= t.vocab_size:
-        raise BackendError(f"{data[0]}: token ids beyond the target's vocabulary; was it made with another target?")
-    if engine.model.head.weight is None:
-        raise BackendError(f"profile '{profile.name}': the target's LM head is int4-packed; train with dtype float32")
+    check_target(engine, profile, examples, data)
     backbone = load_dflash(shape.init, t)  # one clear line for a drafter made for another target
     dcfg = backbone.cfg
     settings = {"shape": {"init": str(shape.init), "rank": shape.rank, "train_backbone": shape.train_backbone},
                 "train": cfg.settings(), "data": [str(d) for d in data], "target": profile.name,
                 "samples": len(examples)}
     state = loop.TrainState(out, settings)  # refuses a run with other settings before the costly features
-    keys = tuple(FINAL if i == t.n_layers - 1 else i for i in dcfg.target_layer_ids)
-    by_id = dict(zip((e.id for e in examples),
-                     target_features(engine, examples, keys, state.dir / "features.safetensors", say)))
-    train_feats, eval_feats = [by_id[e.id] for e in train_set], [by_id[e.id] for e in eval_set]
-    embed, head = engine.model.embed.float(), engine.model.head.weight.float()  # frozen
-    engine.close()
+    train_feats, eval_feats, embed, head = frozen_target(engine, examples, train_set, eval_set, dcfg.target_layer_ids,
+                                                         state.dir / "features.safetensors", say)
 
     torch.manual_seed(cfg.seed)
     model = DSparkModel(backbone.requires_grad_(shape.train_backbone),
