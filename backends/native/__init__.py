@@ -10,7 +10,9 @@
     weights.py      Checkpoint, the Hugging Face loader and name map, build_model
     gguf_loader.py  GGUF -> Checkpoint (llama, qwen2, qwen3, qwen3moe, gemma3; blocks kept for the kernels)
     memory_plan.py  what a dtype: int4 load of a checkpoint directory holds (planned and counted)
-    tokenizer.py    ChatTokenizer: the model's own tokenizer and chat template via transformers
+    tokenizer.py    ChatTokenizer: the model's own tokenizer and chat template (the `tokenizers` library,
+                    or transformers where only it reads the folder exactly)
+    chat_template.py  chat templates rendered as transformers renders them, without importing it
     sampling.py     greedy and position-keyed Gumbel-max sampling; probs() for rejection sampling
     argmax_head.py  the float32 head's argmax choice at an int8 head's cost
     mtp.py          MTP / nextn heads: reading the public layouts, and the head itself

@@ -38,9 +38,20 @@ for argv in {jobs!r}:
 
 def converter_dir() -> Path:
     """The converter of the installed llama-cpp-python's llama.cpp, fetched on first use."""
+    return vendored("llama-convert", PARTS)
+
+
+def templates_dir() -> Path:
+    """llama.cpp's collection of released models' chat templates (`models/templates/*.jinja`)."""
+    return vendored("llama-templates", ("models/templates/",)) / "models" / "templates"
+
+
+def vendored(name: str, parts: tuple[str, ...]) -> Path:
+    """The files under `parts` of the installed llama-cpp-python's vendored llama.cpp, fetched once into
+    specchat's cache directory (`name`/version)."""
     version = binding_version()
-    dest = paths.cache_dir() / "llama-convert" / version
-    if (dest / PARTS[0]).exists():
+    dest = paths.cache_dir() / name / version
+    if (dest / parts[0]).exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
@@ -54,7 +65,7 @@ def converter_dir() -> Path:
         prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
         with tarfile.open(archive, "r:gz") as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(prefix)
-                       and m.name[len(prefix):].startswith(PARTS) and m.isfile()]
+                       and m.name[len(prefix):].startswith(parts) and m.isfile()]
             for m in members:
                 m.name = m.name[len(prefix):]
             tar.extractall(Path(tmp) / "x", members=members, filter="data")

@@ -1,9 +1,12 @@
 """The chat tokenizer (backends/native/tokenizer.py): a saved tokenizer whose config names transformers'
-generic class is loaded as that class directly, and renders, encodes and decodes exactly as
-AutoTokenizer's does; others still go through AutoTokenizer."""
+generic class is read by the `tokenizers` library with its template rendered by chat_template.py, and
+renders, encodes and decodes exactly as AutoTokenizer's does, without importing transformers; others
+still go through AutoTokenizer."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from transformers import AutoTokenizer
 
@@ -20,6 +23,7 @@ def test_the_generic_class_is_what_autotokenizer_makes_of_the_saved_tokenizer(de
     folder = gguf_tokenizer_dir(default_gguf, paths.cache_dir())
     assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] in GENERIC_CLASSES
     auto = AutoTokenizer.from_pretrained(str(folder))
+    assert ours.rust is not None
     assert type(ours.hf) is type(auto)
     for chat in CHATS:
         text = auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
@@ -28,6 +32,23 @@ def test_the_generic_class_is_what_autotokenizer_makes_of_the_saved_tokenizer(de
         assert ours.encode_chat(chat) == ids
         assert ours.decode(ids) == auto.decode(ids, skip_special_tokens=True)
     assert ours.eos_ids == frozenset({auto.eos_token_id})
+    texts = ["<|im_start|>user\nsays <|im_end|> inside<|im_end|>", "  two leading spaces", "line\r\nbreak",
+             "ｆｕｌｌｗｉｄｔｈ and e\u0301 combined", "", "\x00 nul and \ufffd", "tab\tand 中文"]
+    want = [auto(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert [ours.encode(t) for t in texts] == want == ours.encode_many(texts)
+    special = [auto.convert_tokens_to_ids("<|im_start|>"), *want[0], auto.eos_token_id]
+    assert ours.decode(special) == auto.decode(special, skip_special_tokens=True)
+
+
+def test_a_chat_starts_without_importing_transformers(default_gguf):
+    """transformers' import is most of a second of every start (scripts/bench_start.py)."""
+    code = ("import sys; from specchat import paths; from specchat.backends.native.tokenizer import ChatTokenizer;"
+            f"t = ChatTokenizer({str(default_gguf)!r}, paths.cache_dir());"
+            "ids = t.encode_chat([{'role': 'user', 'content': 'hi'}]); t.decode(ids);"
+            "print(len(ids), 'transformers' in sys.modules)")
+    ChatTokenizer(default_gguf, paths.cache_dir())  # the saved tokenizer exists before the child starts
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[0]) > 10 and out[1] == "False"
 
 
 def test_a_model_specific_class_still_goes_through_autotokenizer(tiny_dirs, tmp_path):
