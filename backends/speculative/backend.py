@@ -76,6 +76,10 @@ class SpeculativeBackend(Backend):
         self.target, self.drafter = target, drafter
         self.depth, self.acceptance, self.strict = depth, acceptance, strict
         self.adaptive = adaptive  # draft only from sources whose passes pay (gate.py)
+        # one gate for every reply of this backend: what it learned of a source's passes carries into the
+        # next reply, which otherwise paid a warm-up of drafted passes again each time (a chat's replies are
+        # short: a drafter that does not pay cost 4-7% of them; docs/results.md)
+        self.gate: DraftGate | None = None
 
     @property
     def context_length(self) -> int:
@@ -101,8 +105,10 @@ class SpeculativeBackend(Backend):
     def stream(self, request: Request, sampling: Sampling,
                cancel: threading.Event | None = None) -> Iterator[Event]:
         prompt = self.checked_prompt(request)
+        if self.adaptive and self.gate is None:
+            self.gate = DraftGate()
         return speculative_stream(self.target, self.drafter, prompt, sampling, self.depth, self.acceptance, cancel,
-                                  self.strict, DraftGate() if self.adaptive else None, request.constraint)
+                                  self.strict, self.gate if self.adaptive else None, request.constraint)
 
     def prepare_in_background(self) -> None:
         self.target.prepare_in_background()
@@ -112,8 +118,12 @@ class SpeculativeBackend(Backend):
 
     def switch_if_ready(self) -> Optional[str]:
         """The target's switch (between replies); the next reply's prefill starts from position 0, and
-        with it every drafter's state (speculative_stream)."""
-        return self.target.switch_if_ready()
+        with it every drafter's state (speculative_stream). Passes of the other kind take other times:
+        the gate measures them afresh."""
+        switched = self.target.switch_if_ready()
+        if switched is not None:
+            self.gate = None
+        return switched
 
     def close(self) -> None:
         self.drafter.close()
