@@ -94,6 +94,9 @@ class TorchBackend(Backend):
         self.tokenizer = ChatTokenizer(path, cache_dir)
         self.eos_ids: frozenset[int] = self.tokenizer.eos_ids
         self.cached: list[int] = []  # token ids whose keys/values are in the cache, in order
+        # the cached positions computed by passes of several rows that were not row-exact (prefills,
+        # non-strict verify blocks), as [lo, hi) spans: see prefill_with_hidden
+        self.pass_spans: list[tuple[int, int]] = []
         # held by every pass: a reference run on these weights (shared_weights.py) takes turns with it
         self.turn = threading.RLock()
         # CPU compiled row graphs: now, or (compile_in_background) once a background process stored them
@@ -293,6 +296,8 @@ class TorchBackend(Backend):
             t = torch.tensor([ids], dtype=torch.long, device=self.device)
             logits, hidden = self.model(t, start_pos, hidden_layers, all_logits, row_exact, head)
             self.cached[start_pos:] = ids
+            if len(ids) > 1 and not (row_exact and self.row_exact_supported):
+                self.pass_spans.append((start_pos, start_pos + len(ids)))
             return logits, hidden
 
     def head_logits(self, states: Tensor) -> Tensor:
@@ -315,6 +320,7 @@ class TorchBackend(Backend):
         with self.turn:
             self.model.cache.truncate(n)
             del self.cached[n:]
+            self.pass_spans = [(lo, min(hi, n)) for lo, hi in self.pass_spans if lo < n]
 
     def hold_positions(self, n: int) -> None:
         """A caller that rolls back over several of its own passes (a draft model's proposals) asks
@@ -348,15 +354,25 @@ class TorchBackend(Backend):
         return self.prefill_with_hidden(prompt, head=head)[0]
 
     def prefill_with_hidden(self, prompt: Sequence[int], hidden_layers: tuple[int, ...] = (),
-                            head: bool = True) -> tuple[Tensor, dict[int, Tensor], int]:
+                            head: bool = True, reuse_at_most: int | None = None
+                            ) -> tuple[Tensor, dict[int, Tensor], int]:
         """prefill, also returning the hidden states of the positions it computed and where they
         start: (logits [1, vocab], {layer: [len(prompt) - start, dim]}, start). Positions before
-        `start` were reused from the cache."""
+        `start` were reused from the cache (at most `reuse_at_most` of them).
+
+        A prompt whose cached prefix ends inside an earlier pass of several rows (`pass_spans`)
+        recomputes that pass from its start: its rows' bits depend on the pass, and a prompt sent
+        again (regenerate) would otherwise find all but its last token cached and choose its first
+        token from a single-token pass, where its first send chose from the prefill's last row:
+        other arithmetic, and at a near-tie another reply."""
         self.check_fits(len(prompt))
         start = 0
         limit = min(len(prompt) - 1, len(self.cached))  # at least one token is run to get logits
+        if reuse_at_most is not None:
+            limit = min(limit, reuse_at_most)
         while start < limit and self.cached[start] == prompt[start]:
             start += 1
+        start = next((lo for lo, hi in self.pass_spans if lo < start < hi), start)
         start = self.restart_point(start)
         logits, hidden = self.forward(prompt[start:], start, hidden_layers, all_logits=False, head=head)
         return logits, hidden, start

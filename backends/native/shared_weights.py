@@ -53,6 +53,7 @@ class SharedWeights(TorchBackend):
         self.__dict__.update(engine.__dict__)  # the same model, tokenizer, settings, lock
         self.base = engine
         self.cached = []
+        self.pass_spans = []  # our own cache's (engine.py), not the engine's
         m = engine.model
         self.own = KVCache(m.cfg, m.cache.max_len, m.cache_dtype, m.device, m.rollback, m.rollback_span)
         self.inside = False  # whether our keys and values are in model.cache right now

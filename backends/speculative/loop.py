@@ -112,6 +112,11 @@ class Target(Protocol):
         """sample(head_logits(states), positions, sampling), as cheaply as the engine can; `allowed`
         (bool [rows, vocab]): a constraint's mask, every other token's logit -inf first."""
 
+    def prefill_with_hidden(self, prompt: Sequence[int], hidden_layers: tuple[int, ...] = (), head: bool = True,
+                            reuse_at_most: int | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor], int]:
+        """The cache brought to `prompt` (reusing at most `reuse_at_most` cached positions): the last
+        position's state, the hidden states of the positions computed, and where they start."""
+
     def truncate(self, length: int) -> None: ...
 
     def restart_point(self, n: int) -> int:
@@ -166,17 +171,17 @@ def speculative_stream(target: Target, drafter: Drafter, prompt: Sequence[int], 
     layers = drafter.hidden_layers
     drafter.paused = frozenset()  # no source sits out unless the gate says so
     use_rejection = acceptance == "rejection" and not sampling.greedy
-    # Prefill: reuse the cached prefix, as far as the drafter still holds what it needs of it.
-    start = target.restart_point(min(common_prefix(target.cached, prompt), len(prompt) - 1))
-    if layers:
-        start = min(start, drafter.reusable(prompt))
     matcher = target_matcher(target, constraint) if constraint is not None else None
-    stats = StreamStats(prompt_tokens=len(prompt), prefill_start=start)
+    stats = StreamStats(prompt_tokens=len(prompt))
     if cancel is not None and cancel.is_set():  # as target-only decoding: nothing is run
         yield stats.finish(STOP_CANCELLED, "")
         return
 
-    state, hidden = target.forward(prompt[start:], start, layers, all_logits=False, head=False)
+    # Prefill as target-only decoding's: the cached prefix reused, as far as the drafter still holds
+    # what it needs of it, and the last prompt token a single-token pass of its own.
+    state, hidden, start = target.prefill_with_hidden(prompt, layers, head=False,
+                                                      reuse_at_most=drafter.reusable(prompt) if layers else None)
+    stats.summary.prefill_start = start
     masks = RowMasks(matcher, [], target.eos_ids) if matcher is not None else None
     if masks is not None and masks.dead_end:
         yield stats.finish(STOP_CONSTRAINT, "")

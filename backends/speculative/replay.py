@@ -36,7 +36,7 @@ def verify_row_choice(target, prompt: Sequence[int], reply: Sequence[int], pass_
     choose = (lambda states, pos: target.choose(states, [pos], sampling) if allowed is None
               else target.choose(states, [pos], sampling, allowed))
     target.truncate(0)
-    state, _ = target.forward(list(prompt), 0, all_logits=False, head=False)
+    state, _, _ = target.prefill_with_hidden(list(prompt), head=False)  # the run's own prefill
     if index == 0:
         return int(choose(state[-1:], len(prompt))[0])
     emitted = pass_log[0][1]

@@ -121,6 +121,34 @@ def test_transformers_reference_backend_streams_the_same_reply(tiny_dirs, engine
         assert theirs.token_ids == ours.token_ids and theirs.stop_reason == ours.stop_reason
 
 
+def test_a_prompt_sent_again_chooses_its_first_token_from_the_same_bits(engine):
+    """Sent again on a warm engine, a prompt finds all but its last token cached; were that token run
+    alone, its row would have other bits than the prefill's last row of the first send, and a
+    near-tie another first token. The prefill whose rows it would reuse in part runs again whole."""
+    prompt = engine.tokenize_chat(HELLO)
+    engine.truncate(0)
+    first, _, start = engine.prefill_with_hidden(prompt, head=False)
+    assert start == 0 and engine.pass_spans == [(0, len(prompt))]
+    again, _, start = engine.prefill_with_hidden(prompt, head=False)
+    assert start == 0 and torch.equal(first, again)
+    engine.forward([5], len(prompt), all_logits=False)  # a reply token: a single-token pass
+    longer = prompt + [5, 6, 7]  # the next turn reuses the whole prefill and the reply
+    assert engine.prefill_with_hidden(longer)[2] == len(prompt) + 1
+    engine.truncate(3)  # what is left of a pass is still that pass's rows
+    assert engine.pass_spans == [(0, 3)]
+    engine.truncate(0)
+    assert engine.pass_spans == []
+
+
+def test_regenerate_gives_the_first_reply_again(engine):
+    request = Request(messages=HELLO)
+    for sampling in (Sampling(max_tokens=12), Sampling(temperature=0.9, seed=3, max_tokens=12)):
+        engine.truncate(0)
+        first = run_to_summary(engine.stream(request, sampling))
+        again = run_to_summary(engine.stream(request, sampling))
+        assert again.token_ids == first.token_ids and again.prefill_start == 0
+
+
 def test_prefill_with_hidden_reports_what_it_computed(engine):
     from specchat.backends.native.model import FINAL
 
