@@ -107,6 +107,9 @@ class RustTokenizer:
 
         return cls(Tokenizer.from_file(str(folder / "tokenizer.json")), template, special)
 
+    def special_ids(self) -> list[int]:
+        return sorted(i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special)
+
     def token_id(self, name: str) -> int | None:
         token = self.special_tokens.get(name)
         return None if token is None else self.tokenizer.token_to_id(token)
@@ -172,6 +175,17 @@ class ChatTokenizer:
         if self.rust is not None:
             return [e.ids for e in self.rust.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
         return [list(ids) for ids in self.hf(list(texts), add_special_tokens=False)["input_ids"]]
+
+    def vocab(self) -> dict[str, int]:
+        """Every token (added ones included) and its id."""
+        return self.rust.tokenizer.get_vocab(with_added_tokens=True) if self.rust is not None else self.hf.get_vocab()
+
+    def same_special_tokens(self, other: "ChatTokenizer") -> bool:
+        """Whether both mark the same ids as special: by the Rust tokenizers' added tokens where both are
+        read that way, else by transformers' (whose count of them differs from the Rust view's)."""
+        if self.rust is not None and other.rust is not None:
+            return self.rust.special_ids() == other.rust.special_ids()
+        return sorted(self.hf.all_special_ids) == sorted(other.hf.all_special_ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.rust is not None:

@@ -214,14 +214,14 @@ class DraftModelDrafter(Drafter):
 
 def check_same_tokenizer(target, drafter, drafter_name: str) -> None:
     """Refuse a drafter whose vocabulary or special tokens differ from the target's."""
-    t, d = target.tokenizer.hf, drafter.tokenizer.hf
-    tv, dv = t.get_vocab(), d.get_vocab()
+    t, d = target.tokenizer, drafter.tokenizer
+    tv, dv = t.vocab(), d.vocab()
     if tv != dv:
         diff = len(set(tv.items()) ^ set(dv.items()))
         raise BackendError(f"drafter '{drafter_name}' does not match the target: vocabularies differ "
                            f"({len(dv)} vs {len(tv)} tokens, {diff} entries differ); a draft model must use "
                            "the target's tokenizer")
-    if target.eos_ids != drafter.eos_ids or sorted(t.all_special_ids) != sorted(d.all_special_ids):
+    if target.eos_ids != drafter.eos_ids or not t.same_special_tokens(d):
         raise BackendError(f"drafter '{drafter_name}' does not match the target: special tokens differ "
                            f"(eos {sorted(drafter.eos_ids)} vs {sorted(target.eos_ids)})")
     if drafter.model.cfg.vocab_size < len(tv):

@@ -62,3 +62,50 @@ def test_a_model_specific_class_still_goes_through_autotokenizer(tiny_dirs, tmp_
     tok = ChatTokenizer(folder)
     assert type(tok.hf) is type(AutoTokenizer.from_pretrained(str(folder)))
     assert type(tok.hf).__name__ not in GENERIC_CLASSES
+
+
+def test_a_draft_model_is_checked_against_the_target_tokenizer_either_way_it_is_read(tiny_dirs, tmp_path):
+    """check_same_tokenizer compares vocabularies and special tokens without transformers where both
+    tokenizers are read by the Rust library, and through transformers where one is not."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from specchat.backends.base import BackendError
+    from specchat.backends.speculative.drafters import check_same_tokenizer
+
+    def engine(folder):
+        tok = ChatTokenizer(folder)
+        return SimpleNamespace(tokenizer=tok, eos_ids=tok.eos_ids, model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=10**6)))
+
+    base = tiny_dirs["llama"]
+    target = engine(base)
+    assert target.tokenizer.rust is not None and target.tokenizer.vocab() == target.tokenizer.hf.get_vocab()
+    check_same_tokenizer(target, engine(base), "same")
+
+    def variant(name, change):
+        folder = tmp_path / name
+        folder.mkdir()
+        for f in base.iterdir():  # the tiny checkpoint's files (its generation config names its ends)
+            if f.is_file():
+                (folder / f.name).write_bytes(f.read_bytes())
+        data = json.loads((folder / "tokenizer.json").read_text())
+        change(data)
+        (folder / "tokenizer.json").write_text(json.dumps(data))
+        return engine(folder)
+
+    def unmark_special(data):
+        next(t for t in data["added_tokens"] if t["content"] == "<|im_start|>")["special"] = False
+
+    def swap_two(data):
+        vocab = data["model"]["vocab"]
+        a, b = sorted(vocab, key=vocab.get)[100:102]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+
+    with pytest.raises(BackendError, match="special tokens differ"):
+        check_same_tokenizer(target, variant("special", unmark_special), "d1")
+    with pytest.raises(BackendError, match="vocabularies differ"):
+        check_same_tokenizer(target, variant("vocab", swap_two), "d2")
+    generic = variant("same-again", lambda data: None)
+    generic.tokenizer.rust = None  # read through transformers: its own count of special tokens
+    check_same_tokenizer(target, generic, "mixed")
