@@ -77,8 +77,8 @@ class SpeculativeBackend(Backend):
         self.depth, self.acceptance, self.strict = depth, acceptance, strict
         self.adaptive = adaptive  # draft only from sources whose passes pay (gate.py)
         # one gate for every reply of this backend: what it learned of a source's passes carries into the
-        # next reply, which otherwise paid a warm-up of drafted passes again each time (a chat's replies are
-        # short: a drafter that does not pay cost 4-7% of them; docs/results.md)
+        # next reply, which otherwise paid its eight drafted warm-up passes again (a chat's replies are
+        # short; the chat-prompt runs in docs/results.md, 2026-12-08)
         self.gate: DraftGate | None = None
 
     @property
