@@ -11,9 +11,11 @@ as llama.cpp's converter writes them and llama.cpp reads them (src/llama-model.c
 
 The last `nextn_predict_layers` blocks of qwen35, qwen35moe and glm4moe are MTP layers, not part of
 the main model (gguf_mtp.py reads them). The converter stores zero-centred norms with the 1 added
-(`norm + 1`, but not the Gated DeltaNet's own gated norm), `A_log` as `-exp(A_log)`, and the value
-heads of a Gated DeltaNet layer tiled across key heads (`_reorder_v_heads`: [K0, K1, K0, K1, ...]
-where Hugging Face groups them [K0, K0, K1, K1]); `linear_layer` undoes the last two.
+(`norm + 1`, but not the Gated DeltaNet's own gated norm), `A_log` as `-exp(A_log)` (`linear_layer`
+takes the log again), and the value heads of a Gated DeltaNet layer tiled across key heads
+(`_reorder_v_heads`: [K0, K1, K0, K1, ...] where Hugging Face groups them [K0, K0, K1, K1]), which
+the engine runs as they are (config.LinearAttentionShape.tiled), so that a quantized file's
+matrices stay its blocks on the kernels.
 """
 from __future__ import annotations
 
@@ -100,7 +102,8 @@ def _hybrid_layers(a, count, n_layers: int, source: str) -> dict:
         recurrent = [(i + 1) % interval != 0 for i in range(n_layers)]
     v_heads = count("ssm.time_step_rank")
     shape = LinearAttentionShape(k_heads=count("ssm.group_count"), v_heads=v_heads, k_dim=count("ssm.state_size"),
-                                 v_dim=count("ssm.inner_size") // v_heads, conv_kernel=count("ssm.conv_kernel"))
+                                 v_dim=count("ssm.inner_size") // v_heads, conv_kernel=count("ssm.conv_kernel"),
+                                 tiled=True)
     if shape.v_heads % shape.k_heads or shape.v_dim * v_heads != count("ssm.inner_size"):
         raise BackendError(f"{source}: metadata `ssm.*` gives {v_heads} value heads over {shape.k_heads} key heads "
                            "and an inner size that do not fit together; convert or download it again")
@@ -133,27 +136,14 @@ def _gemma3(a, count, number, n_layers: int, dim: int, n_heads: int, head_dim: i
                       layer_types=tuple(SLIDING_ATTENTION if s else ATTENTION for s in sliding))
 
 
-def untile(t: Tensor, dim: int, k_heads: int, per_key: int, head: int) -> Tensor:
-    """Value heads along `dim` from the converter's tiled order [r][K][head] back to Hugging Face's
-    grouped order [K][r][head] (the inverse of its `_reorder_v_heads`)."""
-    shape = list(t.shape)
-    split = t.reshape(*shape[:dim], per_key, k_heads, head, *shape[dim + 1:])
-    return split.transpose(dim, dim + 1).reshape(shape)
-
-
-def linear_layer(get: Callable[[str], Tensor], i: int, shape: LinearAttentionShape) -> dict[str, Tensor]:
-    """Gated DeltaNet layer i's tensors (float32) under weights.HF_LINEAR_NAMES' keys, in Hugging
-    Face's layout; `get(name)` reads a tensor of the file (a missing one raises)."""
-    s = shape
-    r, kd = s.v_heads // s.k_heads, 2 * s.k_heads * s.k_dim
-    layer = {key: get(f"blk.{i}.{name}") for key, name in LINEAR_NAMES.items()}
-    qkv, conv = layer["qkv"], layer["conv"].reshape(s.conv_dim, -1)
-    layer["qkv"] = torch.cat([qkv[:kd], untile(qkv[kd:], 0, s.k_heads, r, s.v_dim)])
-    layer["conv"] = torch.cat([conv[:kd], untile(conv[kd:], 0, s.k_heads, r, s.v_dim)]).unsqueeze(1)
-    layer["z"] = untile(layer["z"], 0, s.k_heads, r, s.v_dim)
-    layer["out"] = untile(layer["out"], 1, s.k_heads, r, s.v_dim)
-    for key in ("b", "a", "dt_bias"):
-        layer[key] = untile(layer[key], 0, s.k_heads, r, 1)
+def linear_layer(load: Callable[..., object], dense: Callable[[str], Tensor], i: int) -> dict:
+    """Gated DeltaNet layer i's tensors under weights.HF_LINEAR_NAMES' keys, in the file's order of
+    value heads (the shape's `tiled`): its matrices by `load(name, matrix=True)` (the file's blocks
+    where the kernels run them), the rest by `dense(name)` (float32; a missing tensor raises)."""
+    matrices = ("qkv", "z", "b", "a", "out")
+    layer = {key: load(f"blk.{i}.{name}", matrix=True) if key in matrices else dense(f"blk.{i}.{name}")
+             for key, name in LINEAR_NAMES.items()}
+    layer["conv"] = layer["conv"].unsqueeze(1)  # [conv_dim, 1, K], as Hugging Face's conv1d weight
     # the file holds -exp(A_log); the engine takes A_log (gated_delta.py exponentiates it in float64)
-    layer["A_log"] = untile(torch.log(-layer["A_log"].double()), 0, s.k_heads, r, 1).float()
+    layer["A_log"] = torch.log(-layer["A_log"].double()).float()
     return layer

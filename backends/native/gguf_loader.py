@@ -268,6 +268,8 @@ class LayerReader:
         raise BackendError(f"{self.path}: tensor {name} missing; the file may be truncated")
 
     def load(self, name: str, matrix: bool = False, embedding: bool = False):
+        if name not in self.tensors:
+            self.missing(name)
         t = self.tensors[name]
         q4 = t.tensor_type.name in tuple(Q4_TYPES)
         if embedding and q4:
@@ -282,10 +284,10 @@ class LayerReader:
         return _dense(self.tensors[name])
 
     def layer(self, i: int, linear: bool, sparse: bool) -> dict:
-        """Block i: a Gated DeltaNet layer (`linear`: float32, its value heads reordered: gguf_archs.py)
-        or an attention layer; its MLP routed experts where `sparse`, else dense."""
+        """Block i: a Gated DeltaNet layer (`linear`: gguf_archs.linear_layer) or an attention layer;
+        its MLP routed experts where `sparse`, else dense."""
         cfg, tensors = self.cfg, self.tensors
-        layer = linear_layer(self.dense, i, cfg.linear) if linear else {}  # its norms included
+        layer = linear_layer(self.load, self.dense, i) if linear else {}  # its norms included
         names = _LAYER_NAMES | ({"mlp_norm": "post_attention_norm.weight"} if cfg.arch in POST_ATTENTION_MLP_NORM
                                 else {})
         required = set(_LAYER_NAMES) - _OPTIONAL | _REQUIRED_BY_ARCH.get(cfg.arch, set())

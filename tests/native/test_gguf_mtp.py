@@ -12,7 +12,7 @@ import torch
 
 from specchat import cli
 from specchat.backends.base import BackendError, Request, Sampling, run_to_summary
-from specchat.backends.native import gguf_loader
+from specchat.backends.native import gguf_loader, q4_kernel
 from specchat.backends.native.engine import TorchBackend
 from specchat.backends.native.gguf_mtp import read_gguf_mtp
 from specchat.backends.native.mtp import read_mtp
@@ -99,16 +99,40 @@ def write_prompts(tmp_path):
     return prompts
 
 
-@pytest.mark.parametrize("arch", ["qwen35", "glm4moe"])
-def test_verify_with_an_mtp_profile_on_the_file_finds_no_mismatch(mtp_ggufs, arch, isolated_dirs, tmp_path, capsys):
-    """A shipped MTP profile with its model replaced by the file (`--set model=FILE.gguf`)."""
+@pytest.mark.parametrize("key, dtype", [("qwen35", "float32"), ("glm4moe", "float32"), (("qwen35", "Q8_0"), "auto")],
+                         ids=["qwen35", "glm4moe", "qwen35-Q8_0-kernels"])
+def test_verify_with_an_mtp_profile_on_the_file_finds_no_mismatch(mtp_ggufs, key, dtype, isolated_dirs, tmp_path,
+                                                                  capsys):
+    """A shipped MTP profile with its model replaced by the file (`--set model=FILE.gguf`); the Q8_0
+    file on specchat's kernels (its blocks: the Gated DeltaNet's matrices too), strict verification."""
     prompts = write_prompts(tmp_path)
     for extra in ([], ["--temperature", "0.7"]):
-        code = cli.main(["verify", "-p", "qwen3.5-0.8b-mtp", "--set", f"model={mtp_ggufs[arch]}", "--set",
-                         "dtype=float32", "--set", "context=256", "--set", "speculative.depth=3", "--prompts",
+        code = cli.main(["verify", "-p", "qwen3.5-0.8b-mtp", "--set", f"model={mtp_ggufs[key]}", "--set",
+                         f"dtype={dtype}", "--set", "context=256", "--set", "speculative.depth=3", "--prompts",
                          str(prompts), "--max-tokens", "20", "--json", *extra])
         out = json.loads(capsys.readouterr().out)
         assert code == 0 and out["mismatches"] == 0 and len(out["prompts_checked"]) == 2, out
+
+
+def test_a_q8_0_files_gated_deltanet_layers_run_its_blocks_on_the_kernels(mtp_ggufs):
+    """The file's value-head order is run as stored (config.LinearAttentionShape.tiled), so its
+    Gated DeltaNet matrices stay Q8_0 blocks on specchat's kernels; with their int8 activations the
+    greedy choice is the float32 engine's on the same file's weights wherever that one's is clear
+    (top-2 margin of half a logit or more; logits here O(5)), and on most positions: measured 42 of
+    47, the other five near-ties (margins 0.05-0.17; largest logit error 0.51)."""
+    if not q4_kernel.available():
+        pytest.skip("specchat's kernels could not be built here")
+    e = TorchBackend(mtp_ggufs["qwen35", "Q8_0"], threads=2, context=256)
+    assert e.precision == "int4" and e.model.cfg.linear.tiled
+    mixer = e.model.layers[0].mixer
+    assert mixer.out.kq is not None and e.model.layers[1].attention.o.kq is not None
+    f32 = TorchBackend(mtp_ggufs["qwen35", "Q8_0"], threads=2, context=256, precision="float32")
+    ids = f32.tokenize_chat(PROMPT)
+    got, want = e.forward(ids, 0)[0], f32.forward(ids, 0)[0]
+    top2 = want.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] >= 0.5
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
+    assert clear.sum() >= 10 and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
 def test_dash_m_with_the_file_drafts_from_its_mtp_layers(mtp_ggufs, isolated_dirs, capsys):
