@@ -217,8 +217,9 @@ def speculation_words(profile: Profile) -> str:
         return f"suffix decoding: lookup in {where}, up to {s.depth} a pass"
     if s.method == "ngram":
         return f"prompt lookup, up to {s.depth} a pass"
-    drafter = ("the checkpoint's own MTP layers" if s.method == "mtp" and not s.drafter else
-               f"{_DRAFTERS[s.method]} {Path(s.drafter).name}")
+    own = "the file's own MTP (nextn) layers" if profile.model.lower().endswith(".gguf") else \
+        "the checkpoint's own MTP layers"
+    drafter = own if s.method == "mtp" and not s.drafter else f"{_DRAFTERS[s.method]} {Path(s.drafter).name}"
     words = f"{drafter} ({s.depth} a pass)"
     if s.lookup:
         return f"prompt lookup first (up to {s.lookup}), else {words}"

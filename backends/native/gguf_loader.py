@@ -52,6 +52,7 @@ PERMUTED_ARCHS = ("llama",)  # archs whose Q/K rows llama.cpp's converter permut
 # layer tensors only some architectures have; any other of _LAYER_NAMES' is required
 _OPTIONAL = {"q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "attn_post_norm", "mlp_post_norm"}
 _LINEAR_SUFFIXES = tuple(LINEAR_NAMES.values())
+_SHARED_MATRICES = ("shared_gate", "shared_up", "shared_down")
 _REQUIRED_BY_ARCH = {"gemma3": {"q_norm", "k_norm", "attn_post_norm", "mlp_post_norm"}}
 
 
@@ -322,9 +323,10 @@ class LayerReader:
                                    f"gives {want[key]}; convert or download the file again")
         out = {"router": _dense(tensors[names["router"]]),
                "experts": GgufExperts(tuple(tensors[names[k]] for k in ("gate", "up", "down")), self.keep_int4)}
-        for key, suffix in SHARED_NAMES.items():
-            if f"blk.{i}.{suffix}" in tensors:
-                out[key] = self.dense(f"blk.{i}.{suffix}")
+        for key, suffix in SHARED_NAMES.items():  # the shared expert's matrices in blocks, as the experts'
+            name = f"blk.{i}.{suffix}"
+            if name in tensors:
+                out[key] = self.load(name, matrix=key in _SHARED_MATRICES)
         if m.shared_dim and "shared_gate" not in out:
             self.missing(f"blk.{i}.{SHARED_NAMES['shared_gate']}")
         if m.shared_gate and "shared_gate" in out and "shared_expert_gate" not in out:

@@ -99,12 +99,14 @@ def write_prompts(tmp_path):
     return prompts
 
 
-@pytest.mark.parametrize("key, dtype", [("qwen35", "float32"), ("glm4moe", "float32"), (("qwen35", "Q8_0"), "auto")],
-                         ids=["qwen35", "glm4moe", "qwen35-Q8_0-kernels"])
+@pytest.mark.parametrize("key, dtype", [("qwen35", "float32"), ("glm4moe", "float32"), (("qwen35", "Q8_0"), "auto"),
+                                        (("glm4moe", "Q8_0"), "auto")],
+                         ids=["qwen35", "glm4moe", "qwen35-Q8_0-kernels", "glm4moe-Q8_0-kernels"])
 def test_verify_with_an_mtp_profile_on_the_file_finds_no_mismatch(mtp_ggufs, key, dtype, isolated_dirs, tmp_path,
                                                                   capsys):
     """A shipped MTP profile with its model replaced by the file (`--set model=FILE.gguf`); the Q8_0
-    file on specchat's kernels (its blocks: the Gated DeltaNet's matrices too), strict verification."""
+    files on specchat's kernels (their blocks: the Gated DeltaNet's matrices, the routed and shared
+    experts), strict verification."""
     prompts = write_prompts(tmp_path)
     for extra in ([], ["--temperature", "0.7"]):
         code = cli.main(["verify", "-p", "qwen3.5-0.8b-mtp", "--set", f"model={mtp_ggufs[key]}", "--set",
@@ -114,9 +116,9 @@ def test_verify_with_an_mtp_profile_on_the_file_finds_no_mismatch(mtp_ggufs, key
         assert code == 0 and out["mismatches"] == 0 and len(out["prompts_checked"]) == 2, out
 
 
-def test_a_q8_0_files_gated_deltanet_layers_run_its_blocks_on_the_kernels(mtp_ggufs):
-    """The file's value-head order is run as stored (config.LinearAttentionShape.tiled), so its
-    Gated DeltaNet matrices stay Q8_0 blocks on specchat's kernels; with their int8 activations the
+def test_q8_0_files_run_their_blocks_on_the_kernels(mtp_ggufs):
+    """qwen35's value-head order is run as stored (config.LinearAttentionShape.tiled), so its Gated
+    DeltaNet matrices stay Q8_0 blocks on specchat's kernels, as glm4moe's routed and shared experts do; with their int8 activations the
     greedy choice is the float32 engine's on the same file's weights wherever that one's is clear
     (top-2 margin of half a logit or more; logits here O(5)), and on most positions: measured 42 of
     47, the other five near-ties (margins 0.05-0.17; largest logit error 0.51)."""
@@ -133,6 +135,8 @@ def test_a_q8_0_files_gated_deltanet_layers_run_its_blocks_on_the_kernels(mtp_gg
     clear = top2[:, 0] - top2[:, 1] >= 0.5
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
     assert clear.sum() >= 10 and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    glm = TorchBackend(mtp_ggufs["glm4moe", "Q8_0"], threads=2, context=64).model.layers[1].mlp
+    assert all(m.kq is not None for m in (*glm.expert_linears(), glm.shared.gate_up, glm.shared.down))
 
 
 def test_dash_m_with_the_file_drafts_from_its_mtp_layers(mtp_ggufs, isolated_dirs, capsys):
@@ -140,6 +144,7 @@ def test_dash_m_with_the_file_drafts_from_its_mtp_layers(mtp_ggufs, isolated_dir
                      "the quick brown fox"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["method"] == "mtp" and out["engine"] == "specchat (native)" and out["tokens"] == 8
+    assert "the file's own MTP (nextn) layers" in out["engine_reason"]
 
 
 def test_an_mtp_profile_on_a_file_without_mtp_layers_is_one_line(tiny_ggufs, isolated_dirs, capsys):
@@ -161,4 +166,18 @@ def test_a_qwen35_file_converted_without_its_mtp_layers_says_so(mtp_ggufs, monke
                       speculative={"method": "mtp"})
     with pytest.raises(BackendError, match=r"carries no MTP layers \(no `qwen35.nextn_predict_layers`.*--no-mtp\); "
                                            "use a GGUF of this model converted with its MTP layers"):
+        load_speculative(profile)
+
+
+def test_an_mtp_profile_on_a_file_the_engine_does_not_run_points_to_llama_server(mtp_ggufs, monkeypatch):
+    """A file with nextn layers whose main model the native engine does not run (here: as if it were
+    llama.cpp's qwen3next) stops before loading, naming the engine that runs its MTP."""
+    index = gguf_loader.read_index(mtp_ggufs["qwen35"])
+    index.fields = index.fields | {"general.architecture": "qwen3next"}
+    monkeypatch.setattr("specchat.backends.native.gguf_support.read_index", lambda *a, **k: index)
+    profile = Profile(name="t", model=str(mtp_ggufs["qwen35"]), dtype="float32", context=64,
+                      speculative={"method": "mtp"})
+    with pytest.raises(BackendError, match=r"architecture 'qwen3next' is not one the native engine runs .*so it cannot "
+                                           "draft from its MTP layers here; run it with backend: llamaserver and "
+                                           "method: mtp"):
         load_speculative(profile)

@@ -43,12 +43,12 @@ def make_mtp_checkpoint(out: Path, arch: str) -> Path:
 
 
 def make_mtp_ggufs(root: Path) -> dict:
-    """arch -> the F32 GGUF of its tiny checkpoint with MTP layers; ("qwen35", "Q8_0") -> qwen35's as
-    Q8_0 (its matrices on specchat's kernels); (arch, "hf") -> the checkpoint."""
+    """arch -> the F32 GGUF of its tiny checkpoint with MTP layers; (arch, "Q8_0") -> qwen35's and
+    glm4moe's as Q8_0 (their matrices on specchat's kernels); (arch, "hf") -> the checkpoint."""
     from tests.native.convert import convert
 
     out = {(arch, "hf"): make_mtp_checkpoint(root / arch, arch) for arch in MTP_ARCHS}
     jobs = {arch: (out[arch, "hf"], root / f"{arch}-F32.gguf", "f32") for arch in MTP_ARCHS}
-    jobs["qwen35", "Q8_0"] = (out["qwen35", "hf"], root / "qwen35-Q8_0.gguf", "q8_0")
+    jobs |= {(arch, "Q8_0"): (out[arch, "hf"], root / f"{arch}-Q8_0.gguf", "q8_0") for arch in ("qwen35", "glm4moe")}
     convert(list(jobs.values()))
     return out | {key: path for key, (_, path, _) in jobs.items()}
