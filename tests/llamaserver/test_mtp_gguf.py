@@ -1,7 +1,8 @@
 """Both engines' MTP on one file: llama-server's draft-mtp (method mtp, backend llamaserver) on the tiny
 qwen35 GGUF with MTP layers (tests/native/tiny_mtp.py) that the native engine drafts from too
 (tests/native/test_gguf_mtp.py). The server loads the file's nextn layers, drafts with them, streams
-token ids with its counters, and its greedy tokens are the native engine's.
+token ids with its counters, and its greedy tokens are the native engine's; and with the file's head
+taught the target's replies (tiny_mtp.teach_mtp_head), both engines draft and accept alike.
 
 llama-server streams no chunk for a token whose text ends inside a UTF-8 character (it holds the
 bytes until the character is complete, and the chunk that sends them names only its own token), so
@@ -21,6 +22,8 @@ from specchat.backends.base import Request, Sampling, Step, Summary, run_to_summ
 from specchat.backends.llamaserver.backend import LlamaServerBackend, LlamaServerSettings
 from specchat.backends.llamaserver.flags import speculation_args
 from specchat.backends.native.engine import TorchBackend
+from specchat.loading import load_speculative
+from specchat.profiles import Profile
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test may build llama-server
 
@@ -84,3 +87,57 @@ def test_one_bench_runs_both_engines_mtp_on_the_file(server_binary, mtp_ggufs, t
         row = rows[label]
         assert (row["backend"], row["method"], row["depth"], row["model"]) == (backend, "mtp", 2, str(path))
         assert row["tokens"] > 0 and row["reference"] == f"{label}:target-only"
+
+
+# prompts without digits: the tiny tokenizer's vocabulary, read back from a GGUF, splits numbers into
+# single digits (Qwen3.5's rule) where the checkpoint's tokenizer does not
+MESSAGES = ["the quick brown fox", "Paris is the capital of France.", "hello world, how are you today?",
+            "speculative decoding is lossless when verified", "Berlin is the capital of Germany."]
+
+
+@pytest.fixture(scope="module")
+def taught(mtp_ggufs, tmp_path_factory):
+    """The tiny qwen35 with its MTP head taught the target's greedy replies to MESSAGES, as a GGUF."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tests.native.convert import convert
+    from tests.native.tiny_mtp import teach_mtp_head
+
+    root = tmp_path_factory.mktemp("taught")
+    ckpt = shutil.copytree(mtp_ggufs["qwen35", "hf"], root / "qwen35")
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    teach_mtp_head(ckpt, [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
+                                                  return_dict=True)["input_ids"] for m in MESSAGES])
+    return convert([(ckpt, root / "qwen35-taught-F32.gguf", "f32")])[0]
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_both_engines_accept_alike_from_the_files_taught_head(server_binary, taught, tmp_path, depth):
+    """The same file, the same prompts: specchat's MTP and llama-server's draft-mtp draft as many
+    tokens and accept as many (measured, 160 tokens: 75 of 75 on both at depth 1; 88 of 186 on both
+    at depth 3, where the head's own state stands in for the target's past the first guess; a tenth
+    allowed for float differences between the engines). A head read or fed otherwise on one side
+    (another hidden state, the concatenation swapped, the norms' 1 missing) would accept next to
+    nothing there."""
+    native = load_speculative(Profile(name="t", model=str(taught), dtype="float32", context=256, threads=2,
+                                      speculative={"method": "mtp", "depth": depth, "adaptive": False}))
+    settings = LlamaServerSettings(taught, "taught", context=512, threads=2,
+                                   spec=tuple(speculation_args("mtp", depth=depth)))
+    server = LlamaServerBackend(server_binary, settings, log=tmp_path / "server.log")
+    counts = {}
+    try:
+        for name, engine in (("native", native), ("llama-server", server)):
+            drafted = accepted = 0
+            for m in MESSAGES:
+                reply = run_to_summary(engine.stream(Request(messages=[{"role": "user", "content": m}]),
+                                                     Sampling(max_tokens=32)))
+                drafted, accepted = drafted + reply.draft_tokens, accepted + reply.accepted_tokens
+            counts[name] = drafted, accepted
+    finally:
+        native.close()
+        server.close()
+    (drafted, accepted), (server_drafted, server_accepted) = counts["native"], counts["llama-server"]
+    assert drafted >= 50 and accepted >= (0.9 if depth == 1 else 0.25) * drafted, counts
+    assert abs(accepted - server_accepted) <= 0.1 * drafted and abs(drafted - server_drafted) <= 0.1 * drafted, counts

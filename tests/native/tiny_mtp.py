@@ -52,3 +52,55 @@ def make_mtp_ggufs(root: Path) -> dict:
     jobs |= {(arch, "Q8_0"): (out[arch, "hf"], root / f"{arch}-Q8_0.gguf", "q8_0") for arch in ("qwen35", "glm4moe")}
     convert(list(jobs.values()))
     return out | {key: path for key, (_, path, _) in jobs.items()}
+
+
+def teach_mtp_head(ckpt: Path, prompts: list[list[int]], max_tokens: int = 40, steps: int = 300) -> Path:
+    """The Qwen3.5 MTP head of `ckpt` (model-mtp.safetensors) trained, in place, to predict the
+    target's own greedy continuations of `prompts` (token ids): entry t sees the target's final-normed
+    state at t and token t+1 and learns token t+2, as the engine's head runs (backends/native/mtp.py,
+    post_norm). A random head's guesses land on no engine; this one's land where it has learnt the
+    reply, so two engines running the file's MTP can be compared by what they accept. Written with
+    transformers' own Qwen3.5 decoder layer, independently of specchat's."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
+
+    target = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    embed, head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    data = []
+    with torch.no_grad():
+        for ids in prompts:
+            seq = target.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                  eos_token_id=[2, 0], pad_token_id=0)[0]
+            data.append((seq, target.model(seq[None]).last_hidden_state[0]))
+    config = target.config.get_text_config()
+    config.num_hidden_layers, config.layer_types = 1, ["full_attention"]
+    body = Qwen3_5TextModel(config).float()
+    mtp = load_file(str(ckpt / "model-mtp.safetensors"))
+    state = {"layers.0." + k[len("mtp.layers.0."):]: v for k, v in mtp.items() if k.startswith("mtp.layers.0.")}
+    body.load_state_dict(state | {"norm.weight": mtp["mtp.norm.weight"], "embed_tokens.weight": embed}, strict=True)
+    own = {k: torch.nn.Parameter(mtp[k].clone()) for k in
+           ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")}
+    eps = config.rms_norm_eps
+
+    def norm(x, w):  # Qwen3.5's zero-centred RMSNorm
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)
+
+    params = [p for n, p in body.named_parameters() if not n.startswith("embed_tokens")] + list(own.values())
+    opt = torch.optim.Adam(params, lr=3e-3)
+    torch.manual_seed(0)
+    for step in range(steps):
+        seq, hidden = data[step % len(data)]
+        u = torch.cat([norm(embed[seq[1:-1]], own["mtp.pre_fc_norm_embedding.weight"]),
+                       norm(hidden[:-2], own["mtp.pre_fc_norm_hidden.weight"])], -1) @ own["mtp.fc.weight"].T
+        logits = body(inputs_embeds=u[None]).last_hidden_state[0] @ head.T
+        loss = torch.nn.functional.cross_entropy(logits, seq[2:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out = {"mtp.layers.0." + k[len("layers.0."):]: v for k, v in body.state_dict().items() if k.startswith("layers.0.")}
+    out |= {"mtp.norm.weight": body.norm.weight} | own
+    assert set(out) == set(mtp)
+    save_file({k: v.detach().clone().contiguous() for k, v in out.items()}, str(ckpt / "model-mtp.safetensors"))
+    return ckpt
