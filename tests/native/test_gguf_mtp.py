@@ -181,3 +181,10 @@ def test_an_mtp_profile_on_a_file_the_engine_does_not_run_points_to_llama_server
                                            "draft from its MTP layers here; run it with backend: llamaserver and "
                                            "method: mtp"):
         load_speculative(profile)
+
+
+def test_a_files_mtp_layers_on_another_target_belong_to_another_model(mtp_ggufs):
+    """`drafter:` a GGUF whose head does not fit the target: qwen35's gated attention on glm4moe."""
+    glm = TorchBackend(mtp_ggufs["glm4moe"], threads=2, context=64, precision="float32")
+    with pytest.raises(BackendError, match="MTP layer 0 uses gated attention .* belongs to another model"):
+        read_gguf_mtp(mtp_ggufs["qwen35"], glm.model.cfg)
