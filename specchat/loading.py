@@ -115,7 +115,8 @@ def load_speculative(profile: Profile, background: bool = False):
     settings = speculative_settings(profile)
     try:
         if settings.method == "mtp" and not profile.speculative.drafter:
-            check_builtin_mtp(settings.drafter)  # before loading a big target for a head it cannot use
+            # before loading a big target for a head it cannot use
+            check_builtin_mtp(settings.drafter, paths.cache_dir())
         return SpeculativeBackend.load(load_target(profile, compile_in_background=background), settings)
     except BrokenWeightFile:
         raise  # names the file already

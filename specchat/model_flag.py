@@ -35,8 +35,8 @@ SUFFIX = {"method": "suffix", "depth": 7}
 # A checkpoint directory whose own MTP layers the native engine runs (profiles/*-mtp.yaml,
 # backends/native/mtp.py): the MTP layers, one token a pass (as MiMo's and Qwen3.5-0.8B's shipped
 # profiles), with suffix decoding as above in front of them (`suffix.first`: it drafts where it is
-# confident, the MTP layers where it has nothing). A GGUF's MTP (nextn) layers the native engine does
-# not read yet (another issue brings them), so a GGUF always takes SUFFIX.
+# confident, the MTP layers where it has nothing). A GGUF whose converter kept the model's MTP (nextn)
+# layers (qwen35, qwen35moe, glm4moe: backends/native/gguf_mtp.py) takes the same.
 MTP = {"method": "mtp", "depth": 1, "suffix": {"first": SUFFIX["depth"]}}
 
 # names of the profiles -m built or changed in this process -> why their engine is what it is,
@@ -114,6 +114,14 @@ def builtin_mtp(path: Path) -> bool:
     return detect_layout(names, n_layers, prefix) is not None
 
 
+def gguf_mtp(path: Path) -> bool:
+    """Whether the GGUF (one the native engine runs) carries MTP (nextn) layers: from its index."""
+    from specchat import paths
+    from specchat.backends.native.gguf_mtp import no_mtp_reason
+
+    return no_mtp_reason(path, paths.cache_dir()) is None
+
+
 def _native_refusal(path: Path, kind: str) -> Optional[str]:
     from specchat import paths
     from specchat.backends.native.gguf_support import native_refusal
@@ -167,8 +175,9 @@ def _built(path: Path, kind: str) -> Profile:
     from specchat.backends.native.gguf_support import native_compiles
 
     compiles = kind == "gguf" and native_compiles(path, paths.cache_dir())
+    own_mtp = builtin_mtp(path) if kind == "hf_dir" else gguf_mtp(path)
     return Profile(**common, backend="torch", compile=base.compile and compiles,
-                   speculative=MTP if kind == "hf_dir" and builtin_mtp(path) else SUFFIX)
+                   speculative=MTP if own_mtp else SUFFIX)
 
 
 def _replaced(profile: Profile, path: Path, kind: str) -> Profile:
@@ -208,8 +217,9 @@ def speculation_words(profile: Profile) -> str:
         return f"suffix decoding: lookup in {where}, up to {s.depth} a pass"
     if s.method == "ngram":
         return f"prompt lookup, up to {s.depth} a pass"
-    drafter = ("the checkpoint's own MTP layers" if s.method == "mtp" and not s.drafter else
-               f"{_DRAFTERS[s.method]} {Path(s.drafter).name}")
+    own = "the file's own MTP (nextn) layers" if profile.model.lower().endswith(".gguf") else \
+        "the checkpoint's own MTP layers"
+    drafter = own if s.method == "mtp" and not s.drafter else f"{_DRAFTERS[s.method]} {Path(s.drafter).name}"
     words = f"{drafter} ({s.depth} a pass)"
     if s.lookup:
         return f"prompt lookup first (up to {s.lookup}), else {words}"

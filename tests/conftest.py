@@ -60,3 +60,12 @@ def arch_ggufs(tmp_path_factory) -> dict:
     for arch in GGUF_ARCHS:
         out[arch, "Q4_K_M"] = quantize_with_llamacpp(out[arch, "F32"], root / f"{arch}-Q4_K_M.gguf", "Q4_K_M")
     return out
+
+
+@pytest.fixture(scope="session")
+def mtp_ggufs(tmp_path_factory) -> dict:
+    """arch -> a GGUF with MTP (nextn) layers of each of tiny_mtp.MTP_ARCHS (qwen35, qwen35moe, glm4moe),
+    converted by llama.cpp's own converter; (arch, "hf") -> the checkpoint directory it came from."""
+    from tests.native.tiny_mtp import make_mtp_ggufs
+
+    return make_mtp_ggufs(tmp_path_factory.mktemp("mtp-ggufs"))

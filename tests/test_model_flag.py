@@ -65,7 +65,8 @@ def q3_gguf(tmp_path_factory):
 def test_native_refusal_names_an_architecture_the_engine_does_not_run(tmp_path):
     for arch in ("phi3", "foo"):
         why = native_refusal(header_only_gguf(tmp_path / f"{arch}.gguf", arch))
-        assert why == f"architecture '{arch}' is not one the native engine runs (llama, qwen2, qwen3, qwen3moe, gemma3)"
+        assert why == (f"architecture '{arch}' is not one the native engine runs (llama, qwen2, qwen3, qwen3moe, gemma3, "
+                       "qwen35, qwen35moe, glm4moe)")
     assert native_refusal(header_only_gguf(tmp_path / "llama.gguf", "llama")) is None
     assert native_refusal(tmp_path) is None  # a checkpoint directory: its loader checks it
 

@@ -32,6 +32,9 @@ class LinearAttentionShape:
     k_dim: int
     v_dim: int
     conv_kernel: int
+    # value heads in llama.cpp's order, [K0, K1, K0, K1, ...] (its converter's, for ggml's broadcast),
+    # rather than Hugging Face's [K0, K0, K1, K1, ...]: a GGUF's tensors run in the order they are stored
+    tiled: bool = False
 
     @property
     def conv_dim(self) -> int:

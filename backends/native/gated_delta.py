@@ -78,7 +78,9 @@ class GatedDeltaNet(nn.Module):
         v = x[:, 2 * kd:].view(T, s.v_heads, s.v_dim)
         q = q * (_l2_scale(q) * s.k_dim ** -0.5)
         k = k * _l2_scale(k)
-        if r > 1:  # value head h reads key head h // r
+        if r > 1 and s.tiled:  # value head h reads key head h % K (a GGUF's order: gguf_archs.py)
+            q, k = q.repeat(1, r, 1), k.repeat(1, r, 1)
+        elif r > 1:  # value head h reads key head h // r
             q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
         b, a = rows[:, C:C + s.v_heads].double(), rows[:, C + s.v_heads:].double()
         g = -self.decay_rate * F.softplus(a + self.dt_bias)

@@ -5,7 +5,8 @@ kernels run (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, F16
 those stay the file's blocks (`kquant.QuantRows`, views of the file) until their layer is built on
 the kernels, so the engine runs the very weights llama.cpp runs, in about the file's memory. llama.cpp's converter permutes the rows of Q and K
 for llama-arch models (interleaved RoPE); we undo that to get the Hugging Face layout. Architectures:
-`SUPPORTED_ARCHS`, each read as llama.cpp reads it (qwen3moe's experts, gemma3's windows: `config_from_gguf`).
+`SUPPORTED_ARCHS`, each read as llama.cpp reads it (what each adds to the Llama family's shape and
+names: gguf_archs.py); the MTP (nextn) blocks some carry after their main layers: gguf_mtp.py.
 
 `gguf.GGUFReader` parses every metadata field, tokenizer vocabulary and merges included, which
 takes seconds for a 49k-token vocabulary; what the engine needs from it (the model's own fields
@@ -25,7 +26,8 @@ import numpy as np
 import torch
 
 from ..base import BackendError
-from .config import ATTENTION, SLIDING_ATTENTION, ModelConfig, MoeShape
+from .config import ModelConfig
+from .gguf_archs import LINEAR_NAMES, NEXTN_ARCHS, POST_ATTENTION_MLP_NORM, SHARED_NAMES, arch_fields, linear_layer
 from .int4 import Int4Rows
 from .kquant import Q4_TYPES, TYPES, QuantRows
 from .weights import Checkpoint, progress, refuse_unknown
@@ -45,13 +47,13 @@ _LAYER_NAMES = {
 # a sparse layer's router and its experts' matrices, each stacked [experts, rows, inputs]
 _EXPERT_NAMES = {"router": "ffn_gate_inp.weight", "gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight",
                  "down": "ffn_down_exps.weight"}
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "qwen35", "qwen35moe", "glm4moe")
 PERMUTED_ARCHS = ("llama",)  # archs whose Q/K rows llama.cpp's converter permutes
 # layer tensors only some architectures have; any other of _LAYER_NAMES' is required
 _OPTIONAL = {"q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "attn_post_norm", "mlp_post_norm"}
+_LINEAR_SUFFIXES = tuple(LINEAR_NAMES.values())
+_SHARED_MATRICES = ("shared_gate", "shared_up", "shared_down")
 _REQUIRED_BY_ARCH = {"gemma3": {"q_norm", "k_norm", "attn_post_norm", "mlp_post_norm"}}
-# llama.cpp's gemma3: without `sliding_window_pattern`, every 6th layer is global (llama_hparams::set_swa_pattern)
-GEMMA3_PATTERN = 6
 
 
 _VOCAB_COUNT = "tokenizer.ggml.tokens/count"  # index entry: the vocabulary's size, not its tokens
@@ -140,7 +142,8 @@ def read_index(path: Path, cache_dir: Path | None = None) -> GgufIndex:
 
 
 def config_from_gguf(index: GgufIndex, source: str = "the GGUF") -> ModelConfig:
-    """`source`: the file, named in the BackendError for a metadata field it lacks."""
+    """`source`: the file, named in the BackendError for a metadata field it lacks. The main model's
+    layers only: a file's MTP (nextn) blocks, its last `nextn_predict_layers`, are gguf_mtp.py's."""
     arch = index.field("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise BackendError(f"GGUF architecture '{arch}' is not supported by the torch engine "
@@ -176,50 +179,29 @@ def config_from_gguf(index: GgufIndex, source: str = "the GGUF") -> ModelConfig:
     scaling = None
     if a("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
-    n_layers, head_dim = count("block_count"), count("attention.key_length", dim // n_heads)
-    extra = {}
-    if arch == "qwen3moe":  # every layer routed experts, top-k renormalised, as llama.cpp's qwen3moe runs them
-        experts, top_k = count("expert_count"), count("expert_used_count")
-        if top_k > experts:
-            raise BackendError(f"{source}: metadata `{arch}.expert_used_count` ({top_k}) is more than its {experts} "
-                               "experts; is the file complete? convert or download it again")
-        extra["moe"] = MoeShape(experts=experts, top_k=top_k, expert_dim=count("expert_feed_forward_length"),
-                                sparse_layers=tuple(range(n_layers)), renormalise=True, n_layers=n_layers)
-    elif arch == "gemma3":
-        extra = _gemma3(a, count, number, n_layers, dim, n_heads, head_dim, source)
-    return ModelConfig(
+    n_layers, head_dim = count("block_count") - nextn_layers(index), count("attention.key_length", dim // n_heads)
+    if n_layers < 1:
+        raise BackendError(f"{source}: metadata `{arch}.nextn_predict_layers` leaves no main layers of its "
+                           f"{count('block_count')}; convert or download it again")
+    extra = arch_fields(arch, a, count, number, n_layers, dim, n_heads, head_dim, names, source)
+    moe = extra.get("moe")
+    fields = dict(
         vocab_size=int(vocab), dim=dim, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=count("attention.head_count_kv", n_heads), head_dim=head_dim,
-        ffn_dim=count("feed_forward_length"), norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
+        # a model whose every MLP is routed experts (qwen35moe) has no dense width
+        ffn_dim=0 if moe is not None and moe.all_sparse else count("feed_forward_length"),
+        norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=number("rope.freq_base", 10000.0), rope_scaling=scaling,
         max_position=count("context_length", 4096), tie_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names, arch=arch, **extra)
+        qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names, arch=arch)
+    return ModelConfig(**(fields | extra))
 
 
-def _gemma3(a, count, number, n_layers: int, dim: int, n_heads: int, head_dim: int, source: str) -> dict:
-    """Gemma 3 as llama.cpp reads its GGUF (src/models/gemma3.cpp): the embedding times sqrt(dim),
-    GELU, scores scaled by 1 / sqrt(head_dim) (1 / sqrt(dim / heads) for the 62-layer 27B, as
-    google's gemma_pytorch sets query_pre_attn_scalar), sliding-window layers where the file gives a
-    window, global every `sliding_window_pattern`-th layer (or as its per-layer list says), their RoPE
-    base `rope.freq_base_swa` (10000 where absent), never scaled; the norms' 1 + w is in the file."""
-    scalar = dim / n_heads if n_layers == 62 else head_dim
-    cap = number("final_logit_softcapping", 1.0) if a("final_logit_softcapping") is not None else 0.0
-    out = dict(embed_scale=math.sqrt(dim), gelu=True, query_scale=scalar ** -0.5, logit_softcap=cap)
-    if not a("attention.sliding_window"):
-        return out
-    pattern = a("attention.sliding_window_pattern", GEMMA3_PATTERN)
-    if isinstance(pattern, list):
-        sliding = [bool(p) for p in pattern]
-    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
-        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
-    else:
-        sliding = []
-    if len(sliding) != n_layers:
-        raise BackendError(f"{source}: metadata `gemma3.attention.sliding_window_pattern` is {pattern!r}, not a "
-                           f"layer count or one flag for each of its {n_layers} layers; convert or download it again")
-    return out | dict(sliding_window=count("attention.sliding_window"),
-                      rope_local_theta=number("rope.freq_base_swa", 10000.0),
-                      layer_types=tuple(SLIDING_ATTENTION if s else ATTENTION for s in sliding))
+def nextn_layers(index: GgufIndex) -> int:
+    """How many MTP (nextn) blocks the file carries after its main layers (`nextn_predict_layers`)."""
+    arch = index.field("general.architecture")
+    value = index.field(f"{arch}.nextn_predict_layers", 0) if arch in NEXTN_ARCHS else 0
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _dense(t) -> torch.Tensor:
@@ -275,73 +257,120 @@ class GgufExperts:
             return [torch.from_numpy(np.asarray(t.data).reshape(-1).view(np.uint8)) for t in self.stacks]
 
 
-def load_gguf(path: Path, keep_int4: bool = False, cache_dir: Path | None = None) -> Checkpoint:
-    index = read_index(path, cache_dir)
-    cfg = config_from_gguf(index, str(path))
-    tensors = index.tensors
-    int4_types = tuple(Q4_TYPES)  # as the file's blocks too, decoded to Int4Rows as each layer is built
+class LayerReader:
+    """A GGUF's tensors under weights.py's short names, a block at a time (load_gguf's main layers,
+    gguf_mtp.py's MTP blocks): matrices as the file's blocks where `keep_int4` and the kernels run
+    their type (Q4 ones decoded as each layer is built), else float32."""
 
-    def load(name: str, matrix: bool = False, embedding: bool = False):
-        t = tensors[name]
-        if embedding and t.tensor_type.name in int4_types:
+    def __init__(self, path: Path, index: GgufIndex, cfg: ModelConfig, keep_int4: bool = False):
+        self.path, self.tensors, self.cfg, self.keep_int4 = path, index.tensors, cfg, keep_int4
+
+    def missing(self, name: str):
+        raise BackendError(f"{self.path}: tensor {name} missing; the file may be truncated")
+
+    def load(self, name: str, matrix: bool = False, embedding: bool = False):
+        if name not in self.tensors:
+            self.missing(name)
+        t = self.tensors[name]
+        q4 = t.tensor_type.name in tuple(Q4_TYPES)
+        if embedding and q4:
             return _dense(t)
-        if matrix and keep_int4 and t.tensor_type.name in KQUANT_TYPES + int4_types and len(t.shape) == 2:
+        if matrix and self.keep_int4 and (t.tensor_type.name in KQUANT_TYPES or q4) and len(t.shape) == 2:
             return QuantRows.from_blocks(t.tensor_type.name, t.data, int(t.shape[1]), int(t.shape[0]))
         return _dense(t)
 
-    def permute(m, n_head: int):
-        idx = _unpermute_rows(m.q.shape[0] if isinstance(m, Int4Rows) else m.rows if isinstance(m, QuantRows)
-                              else m.shape[0], n_head)
-        if isinstance(m, Int4Rows):
-            return Int4Rows(m.q[idx], m.scale[idx], m.zero[idx])
-        if isinstance(m, QuantRows):
-            return m.take(idx)
-        return m[idx]
+    def dense(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            self.missing(name)
+        return _dense(self.tensors[name])
 
+    def layer(self, i: int, linear: bool, sparse: bool) -> dict:
+        """Block i: a Gated DeltaNet layer (`linear`: gguf_archs.linear_layer) or an attention layer;
+        its MLP routed experts where `sparse`, else dense."""
+        cfg, tensors = self.cfg, self.tensors
+        layer = linear_layer(self.load, self.dense, i) if linear else {}  # its norms included
+        names = _LAYER_NAMES | ({"mlp_norm": "post_attention_norm.weight"} if cfg.arch in POST_ATTENTION_MLP_NORM
+                                else {})
+        required = set(_LAYER_NAMES) - _OPTIONAL | _REQUIRED_BY_ARCH.get(cfg.arch, set())
+        for key, suffix in names.items():
+            name = f"blk.{i}.{suffix}"
+            if (sparse and key in ("gate", "up", "down")) or (linear and key not in ("gate", "up", "down")) \
+                    or (key == "attn_post_norm" and cfg.arch in POST_ATTENTION_MLP_NORM):
+                continue
+            if name in tensors:
+                layer[key] = self.load(name, matrix=suffix.endswith(".weight") and "norm" not in suffix)
+            elif key in required:
+                self.missing(name)
+        if sparse:
+            layer |= self.experts(i)
+        if cfg.arch in PERMUTED_ARCHS:
+            layer["q"] = _permute(layer["q"], cfg.n_heads)
+            layer["k"] = _permute(layer["k"], cfg.n_kv_heads)
+        return layer
+
+    def experts(self, i: int) -> dict:
+        """A sparse block's router, routed experts (`GgufExperts`), and where the file has them the
+        router's bias and the shared expert with its gate."""
+        names = {key: f"blk.{i}.{suffix}" for key, suffix in _EXPERT_NAMES.items()}
+        m, dim, tensors = self.cfg.moe, self.cfg.dim, self.tensors
+        want = {"router": [dim, m.experts], "gate": [dim, m.expert_dim, m.experts],
+                "up": [dim, m.expert_dim, m.experts], "down": [m.expert_dim, dim, m.experts]}
+        for key, name in names.items():
+            if name not in tensors:
+                self.missing(name)
+            if list(tensors[name].shape) != want[key]:
+                raise BackendError(f"{self.path}: tensor {name} has shape {tensors[name].shape}, its metadata "
+                                   f"gives {want[key]}; convert or download the file again")
+        out = {"router": _dense(tensors[names["router"]]),
+               "experts": GgufExperts(tuple(tensors[names[k]] for k in ("gate", "up", "down")), self.keep_int4)}
+        for key, suffix in SHARED_NAMES.items():  # the shared expert's matrices in blocks, as the experts'
+            name = f"blk.{i}.{suffix}"
+            if name in tensors:
+                out[key] = self.load(name, matrix=key in _SHARED_MATRICES)
+        if m.shared_dim and "shared_gate" not in out:
+            self.missing(f"blk.{i}.{SHARED_NAMES['shared_gate']}")
+        if m.shared_gate and "shared_gate" in out and "shared_expert_gate" not in out:
+            self.missing(f"blk.{i}.{SHARED_NAMES['shared_expert_gate']}")
+        return out
+
+    def names(self, i: int) -> set[str]:
+        """The tensor names block i may have (any other is one the engine does not know)."""
+        suffixes = (*_LAYER_NAMES.values(), *_EXPERT_NAMES.values(), *SHARED_NAMES.values())
+        linear = self.cfg.linear is not None
+        return {f"blk.{i}.{s}" for s in suffixes + ((*_LINEAR_SUFFIXES,) if linear else ())}
+
+
+def _permute(m, n_head: int):
+    idx = _unpermute_rows(m.q.shape[0] if isinstance(m, Int4Rows) else m.rows if isinstance(m, QuantRows)
+                          else m.shape[0], n_head)
+    if isinstance(m, Int4Rows):
+        return Int4Rows(m.q[idx], m.scale[idx], m.zero[idx])
+    if isinstance(m, QuantRows):
+        return m.take(idx)
+    return m[idx]
+
+
+def load_gguf(path: Path, keep_int4: bool = False, cache_dir: Path | None = None) -> Checkpoint:
+    """The file's main model; its MTP (nextn) blocks, if any, are left to gguf_mtp.read_gguf_mtp."""
+    index = read_index(path, cache_dir)
+    cfg = config_from_gguf(index, str(path))
+    tensors = index.tensors
+    reader = LayerReader(path, index, cfg, keep_int4)
     layers = []
     with progress(f"loading {path.name}", cfg.n_layers + 1) as advance:
         # Q8_0 / K-quant blocks kept, where the head may share them (weights.py); Q4 rows as floats
-        embed = load("token_embd.weight", matrix=True, embedding=True)
+        embed = reader.load("token_embd.weight", matrix=True, embedding=True)
         advance()
-        required = set(_LAYER_NAMES) - _OPTIONAL | _REQUIRED_BY_ARCH.get(cfg.arch, set())
-
-        def missing(name: str):
-            raise BackendError(f"{path}: tensor {name} missing; the file may be truncated")
-
         for i in range(cfg.n_layers):
-            layer = {}
-            sparse = cfg.is_sparse(i)
-            for key, suffix in _LAYER_NAMES.items():
-                name = f"blk.{i}.{suffix}"
-                if sparse and key in ("gate", "up", "down"):
-                    continue
-                if name in tensors:
-                    layer[key] = load(name, matrix=suffix.endswith(".weight") and "norm" not in suffix)
-                elif key in required:
-                    missing(name)
-            if sparse:
-                names = {key: f"blk.{i}.{suffix}" for key, suffix in _EXPERT_NAMES.items()}
-                m = cfg.moe
-                want = {"router": [cfg.dim, m.experts], "gate": [cfg.dim, m.expert_dim, m.experts],
-                        "up": [cfg.dim, m.expert_dim, m.experts], "down": [m.expert_dim, cfg.dim, m.experts]}
-                for key, name in names.items():
-                    if name not in tensors:
-                        missing(name)
-                    if list(tensors[name].shape) != want[key]:
-                        raise BackendError(f"{path}: tensor {name} has shape {tensors[name].shape}, its metadata "
-                                           f"gives {want[key]}; convert or download the file again")
-                layer["router"] = _dense(tensors[names["router"]])
-                layer["experts"] = GgufExperts(tuple(tensors[names[k]] for k in ("gate", "up", "down")), keep_int4)
-            if cfg.arch in PERMUTED_ARCHS:
-                layer["q"] = permute(layer["q"], cfg.n_heads)
-                layer["k"] = permute(layer["k"], cfg.n_kv_heads)
-            layers.append(layer)
+            layers.append(reader.layer(i, cfg.is_linear(i), cfg.is_sparse(i)))
             advance()
     if "rope_freqs.weight" in tensors:  # llama3-style scaling stored as per-frequency divisors
         cfg.rope_scaling = {"rope_type": "freq_factors", "factors": _dense(tensors["rope_freqs.weight"]).tolist()}
-    head = load("output.weight", matrix=True) if "output.weight" in tensors else None
-    known = {f"blk.{i}.{suffix}" for i in range(cfg.n_layers)
-             for suffix in (*_LAYER_NAMES.values(), *(_EXPERT_NAMES.values() if cfg.is_sparse(i) else ()))}
+    head = reader.load("output.weight", matrix=True) if "output.weight" in tensors else None
+    known = {n for i in range(cfg.n_layers) for n in reader.names(i)}
     known |= {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
-    refuse_unknown(path, set(tensors) - known)
-    return Checkpoint(cfg, embed, load("output_norm.weight"), head, layers, source=str(path))
+    mtp = {n for n in tensors if n.startswith(tuple(f"blk.{cfg.n_layers + j}." for j in range(nextn_layers(index))))}
+    refuse_unknown(path, set(tensors) - known - mtp)
+    if "output_norm.weight" not in tensors:
+        reader.missing("output_norm.weight")
+    return Checkpoint(cfg, embed, reader.load("output_norm.weight"), head, layers, source=str(path))

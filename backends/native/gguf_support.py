@@ -1,7 +1,7 @@
 """Whether the native engine runs a GGUF file as it is: its architecture and every tensor's type.
 
 A file it does not run goes to llama.cpp in-process, target-only, with this reason said to the
-user (specchat/model_flag.py): never a float32 copy of weights the engine has no kernel for, which
+user (specchat/model_flag.py; a file's MTP layers are gguf_mtp.no_mtp_reason's to judge): never a float32 copy of weights the engine has no kernel for, which
 would be several times the file's size and far slower than llama.cpp on its own blocks.
 """
 from __future__ import annotations

@@ -112,8 +112,7 @@ def read_mtp(path: Path, cfg: ModelConfig) -> MtpWeights:
     and checked against the target's shape `cfg`. Raises BackendError naming what is wrong."""
     path = Path(path)
     if path.suffix.lower() == ".gguf":
-        raise BackendError(f"{path}: MTP heads are read from safetensors checkpoints; for a GGUF target set "
-                           "`drafter:` to an MTP head directory (e.g. one made by `specchat train mtp`)")
+        raise BackendError(f"{path}: a GGUF's MTP (nextn) layers are read by gguf_mtp.read_any_mtp, not here")
     if not (path / "config.json").exists():
         raise BackendError(f"{path}: no config.json; an MTP head is a safetensors directory with its config")
     config = read_hf_json(path)
@@ -175,7 +174,7 @@ def read_mtp(path: Path, cfg: ModelConfig) -> MtpWeights:
             for key in ("embed_norm", "hidden_norm", "final_norm", "attn_norm", "mlp_norm", "q_norm", "k_norm"):
                 if key in layer:
                     layer[key] = layer[key] + 1.0
-        _check_shapes(path, i, layer, cfg)
+        check_mtp_shapes(path, i, layer, cfg)
         layers.append(layer)
     extra = c.get("specchat_mtp", {})
     vocab = None
@@ -187,7 +186,8 @@ def read_mtp(path: Path, cfg: ModelConfig) -> MtpWeights:
     return MtpWeights(layout, layers, extra.get("hidden_source"), vocab)
 
 
-def _check_shapes(path: Path, i: int, layer: dict[str, Tensor], cfg: ModelConfig) -> None:
+def check_mtp_shapes(path: Path, i: int, layer: dict[str, Tensor], cfg: ModelConfig) -> None:
+    """MTP layer i's tensors (short names, norms as applied) against the target's shape `cfg`."""
     d, hd = cfg.dim, cfg.head_dim
     gated = 2 if cfg.output_gate else 1  # Qwen3-Next / Qwen3.5: q_proj also yields the output gate
     if layer["q"].shape[0] == 2 * cfg.n_heads * hd and not cfg.output_gate:

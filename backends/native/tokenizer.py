@@ -52,11 +52,9 @@ def _load_hf_tokenizer(path: Path, cache_dir: Path | None):
     cached = gguf_tokenizer_dir(path, cache_dir) if cache_dir is not None else None
     if cached is not None and (cached / "tokenizer_config.json").exists():
         return _from_dir(cached)
-    from transformers import AutoTokenizer  # a GGUF's own tokenizer: built from its metadata, once
-
     if cache_dir is None:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return _from_gguf(path)
+    tok = _from_gguf(path)
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     tok.save_pretrained(str(tmp))
@@ -67,6 +65,20 @@ def _load_hf_tokenizer(path: Path, cache_dir: Path | None):
     # the saved one, as every later start loads it: a tokenizer transformers builds from GGUF metadata
     # need not tokenize as it does once saved (gemma3's, of a byte-level BPE vocabulary, did not)
     return _from_dir(cached)
+
+
+def _from_gguf(path: Path):
+    """A GGUF's own tokenizer, built from its metadata. AutoTokenizer first reads the file's model
+    config, which transformers does for some architectures only (not glm4moe): for the others, the
+    fast tokenizer straight from the vocabulary and merges, which is all a tokenizer needs."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as e:
+        if "is not supported" not in str(e):
+            raise
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 # the named special tokens transformers hands a chat template (its SPECIAL_TOKENS_ATTRIBUTES)

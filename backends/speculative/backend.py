@@ -193,11 +193,12 @@ def make_draft_model_drafter(s: SpeculativeSettings, target: TorchBackend) -> Dr
 
 
 def make_mtp_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter:
-    """The MTP head in `s.drafter`: a head directory, or the target's own checkpoint."""
-    from ..native.mtp import MtpHead, read_mtp
+    """The MTP head in `s.drafter`: a head directory, or the target's own checkpoint or GGUF."""
+    from ..native.gguf_mtp import read_any_mtp
+    from ..native.mtp import MtpHead
     from .mtp import MtpDrafter
 
-    weights = read_mtp(s.drafter, target.model.cfg)
+    weights = read_any_mtp(s.drafter, target.model.cfg, target.settings.get("cache_dir"))
     head = MtpHead(weights, target.model, target.context_length)
     source = s.mtp_hidden or weights.hidden_source or "post_norm"
     return MtpDrafter(head, target.eos_ids, source, want_q=s.acceptance == "rejection")
@@ -213,19 +214,27 @@ def make_eagle3_drafter(s: SpeculativeSettings, target: TorchBackend) -> Drafter
     return Eagle3Drafter(head, target.eos_ids, want_q=s.acceptance == "rejection")
 
 
-def check_builtin_mtp(path: Path) -> None:
-    """Before loading a big target for its built-in MTP head: read and validate the head in the
-    checkpoint directory `path`, and say plainly if the main model is one the engine cannot run."""
+def check_builtin_mtp(path: Path, cache_dir: Path | None = None) -> None:
+    """Before loading a big target for its built-in MTP head: that the GGUF at `path` carries MTP
+    (nextn) layers, or read and validate the head in the checkpoint directory `path`, and say
+    plainly if the main model is one the engine cannot run."""
     import json
 
     from ..native.config import ModelConfig
+    from ..native.gguf_mtp import no_mtp_reason
+    from ..native.gguf_support import native_refusal
     from ..native.mtp import read_mtp, unsupported_main_model
 
     path = Path(path)
-    if path.suffix.lower() == ".gguf" or path.is_file():
-        raise BackendError(f"{path}: the target is a GGUF file, whose MTP (nextn) tensors the torch engine does "
-                           "not read; set `speculative.drafter` to an MTP head directory (e.g. made by "
-                           "`specchat train mtp`)")
+    if path.is_file():
+        why = native_refusal(path, cache_dir)
+        if why:
+            raise BackendError(f"{path}: {why}, so it cannot draft from its MTP layers here; run it with backend: "
+                               "llamaserver and method: mtp (llama.cpp's draft-mtp)")
+        why = no_mtp_reason(path, cache_dir)
+        if why:
+            raise BackendError(why)
+        return
     config = json.loads((path / "config.json").read_text())
     why = unsupported_main_model(config)
     weights = read_mtp(path, ModelConfig.from_hf(config))

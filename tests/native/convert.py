@@ -6,9 +6,11 @@ same version the `llamacpp` backend runs): fetched once with pip, as backends/ll
 fetches it, and only the converter's files (`convert_hf_to_gguf.py`, `conversion/`, `gguf-py/`)
 kept in specchat's cache directory.
 
-One change is made to it, in the process that runs it: llama.cpp identifies a BPE tokenizer's
+Two changes are made to it, in the process that runs it: llama.cpp identifies a BPE tokenizer's
 pre-tokenizer by the hash of a test string's tokens, and the tiny test tokenizer (tiny.py) is none
-of the released tokenizers it knows, so it is named "default", as tiny.make_gguf names it.
+of the released tokenizers it knows, so it is named "default", as tiny.make_gguf names it; and
+GLM's vocabulary writer looks up GLM's own special tokens ([gMASK], <|user|>, ...), which the tiny
+tokenizer lacks, so a tiny GLM's vocabulary is written as any other GPT-2 style BPE's.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import sys
 sys.path[:0] = [{root!r}, {root!r} + "/gguf-py"]
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+base.TextModel._set_vocab_glm = base.TextModel._set_vocab_gpt2
 import convert_hf_to_gguf
 for argv in {jobs!r}:
     sys.argv = ["convert_hf_to_gguf.py", *argv]
