@@ -92,6 +92,13 @@ class Piece:
     accepted: Optional[int]
     alternatives: list[Optional[list[tuple[int, float]]]]
     stop_type: Optional[str]  # set on the final chunk
+    predicted: Optional[int] = None  # tokens the reply holds with this chunk's (`tokens_predicted`)
+    withheld: int = 0  # tokens before this chunk whose ids the server did not send (`_withheld`)
+
+    @property
+    def count(self) -> int:
+        """The tokens this chunk stands for."""
+        return len(self.token_ids) + self.withheld
 
     @classmethod
     def of(cls, data: dict) -> "Piece":
@@ -104,7 +111,17 @@ class Piece:
             alternatives.append([(int(t["id"]), float(t["logprob"])) for t in top] if top else None)
         return cls([int(i) for i in ids], str(data.get("content") or ""), _int(timings.get("draft_n")),
                    _int(timings.get("draft_n_accepted")), alternatives,
-                   str(data.get("stop_type") or "none") if data.get("stop") else None)
+                   str(data.get("stop_type") or "none") if data.get("stop") else None,
+                   _int(data.get("tokens_predicted")))
+
+
+def _withheld(piece: Piece, received: int) -> Piece:
+    """`piece` counting the tokens before it whose ids never came: llama-server sends no chunk for a
+    token whose text ends inside a UTF-8 character, and the chunk that completes the character names
+    only its own token, though its text holds theirs (`tokens_predicted` counts them all)."""
+    if piece.predicted is not None and piece.predicted > received + len(piece.token_ids):
+        piece.withheld = piece.predicted - received - len(piece.token_ids)
+    return piece
 
 
 def _int(value) -> Optional[int]:
@@ -132,11 +149,13 @@ class PassGrouper:
             self.need = self.open.accepted + 1
             self.drafted, self.accepted = drafted, accepted
         if self.open is None:
-            yield Step(list(piece.token_ids), piece.text)
+            yield Step(list(piece.token_ids), piece.text, token_count=piece.count if piece.withheld else None)
             return
+        if piece.withheld or self.open.token_count is not None:  # count what its ids no longer do
+            self.open.token_count = self.open.n_tokens + piece.count
         self.open.token_ids.extend(piece.token_ids)
         self.open.text += piece.text
-        if len(self.open.token_ids) >= self.need:
+        if self.open.n_tokens >= self.need:
             yield from self.flush()
 
     def flush(self) -> Iterator[Step]:
@@ -156,6 +175,8 @@ class Reply:
     alternatives: list = field(default_factory=list)
     reason: str = STOP_MAX_TOKENS
     finished: bool = False
+    received: int = 0  # tokens streamed so far, with or without their ids
+    withheld: bool = False  # some came without (`_withheld`)
 
     def add(self, piece: Piece) -> Iterator[Step]:
         self.alternatives.extend(piece.alternatives)
@@ -243,6 +264,8 @@ class LlamaServerBackend(OpenAIBackend):
             reply.reason = STOP_CONTEXT_FULL  # the server stops at its context ("limit" too)
         summary = reply.stats.finish(reply.reason)
         summary.alternatives = reply.alternatives[:summary.tokens]
+        if reply.withheld:  # ids with gaps would misalign a comparison: compare by text instead
+            summary.token_ids, summary.alternatives = [], []
         self._apply_counters(summary, before)
         yield summary
 
@@ -255,7 +278,9 @@ class LlamaServerBackend(OpenAIBackend):
                     error = data["error"]
                     raise BackendError(f"{self.where}: the server stopped the reply: "
                                        f"{error.get('message', error) if isinstance(error, dict) else error}")
-                piece = Piece.of(data)
+                piece = _withheld(Piece.of(data), reply.received)
+                reply.received += piece.count
+                reply.withheld = reply.withheld or piece.withheld > 0
                 if piece.stop_type == "eos":
                     held = None  # other backends leave the end-of-sequence token out of the reply too
                 if held is not None:

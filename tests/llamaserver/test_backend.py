@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test may 
 
 COPY = [{"role": "user", "content": "Repeat exactly, three times: the quick brown fox jumps over the lazy dog."}]
 ASK = [{"role": "user", "content": "Name three colours of the rainbow."}]
+WIDE = [{"role": "user", "content": "Repeat exactly, twice: 日本語のテキスト、中文文本、한국어 🎉🚀"}]
 NGRAM = speculation_args("ngram", depth=3, lookup=2)
 
 
@@ -59,6 +60,23 @@ def test_target_only_greedy_reply_is_the_local_llamacpp_backends(plain, start, d
             assert got.token_ids == want.token_ids and got.stop_reason == want.stop_reason
     finally:
         local.close()
+
+
+def test_tokens_whose_text_ends_inside_a_character_are_counted(plain, default_gguf):
+    """llama-server streams no chunk for a token whose text ends inside a UTF-8 character (the chunk
+    that completes it names only its own id): such a reply counts every token, ends as the local
+    llama.cpp's does, and leaves its ids out rather than give a list with gaps (compared by text)."""
+    from specchat.backends.llamacpp import LlamaCppBackend
+
+    local = LlamaCppBackend(default_gguf, context=2048, threads=2)
+    try:
+        want = run_to_summary(local.stream(Request(messages=WIDE), Sampling(max_tokens=48)))
+    finally:
+        local.close()
+    got = run_to_summary(plain.stream(Request(messages=WIDE), Sampling(max_tokens=48)))
+    assert any(ord(c) > 0x2000 for c in want.text)  # the reply does hold characters of several tokens
+    assert got.token_ids == [] and got.alternatives == []  # some ids were withheld: none given
+    assert (got.text, got.tokens, got.stop_reason) == (want.text, want.tokens, want.stop_reason)
 
 
 def test_speculative_passes_and_metrics_are_consistent(ngram, plain):

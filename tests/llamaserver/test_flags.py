@@ -94,3 +94,20 @@ def test_a_native_chunk_and_the_counters():
     c = spec_counters(text)
     assert (c.drafts, c.draft_tokens, c.accepted, c.accepted_per_position) == (5, 20, 9, (4, 3))
     assert c.since(spec_counters("llamacpp:spec_decode_num_drafts_total 2")).drafts == 3
+
+
+def test_tokens_whose_ids_the_server_withheld_are_counted_and_the_ids_left_out():
+    """llama-server sends no chunk for a token whose text ends inside a UTF-8 character; the chunk
+    that completes it names only its own token, and `tokens_predicted` counts both."""
+    from specchat.backends.llamaserver.backend import _withheld
+
+    assert Piece.of({"content": "é", "tokens": [7], "stop": False, "tokens_predicted": 3}).predicted == 3
+    g, received, steps = PassGrouper(), 0, []
+    for p in (Piece([1], "a", None, None, [None], None, 1), Piece([4], "日", None, None, [None], None, 3),
+              Piece([5], "b", 2, 1, [None], None, 4), Piece([8], "本", 2, 1, [None], None, 6)):
+        p = _withheld(p, received)
+        received += p.count
+        steps += list(g.add(p))
+    steps += list(g.flush())
+    assert [(s.token_ids, s.n_tokens, s.text) for s in steps] == [([1], 1, "a"), ([4], 2, "日"), ([5, 8], 3, "b本")]
+    assert received == 6
