@@ -237,8 +237,13 @@ class OpenAIBackend(Backend):
             summary.token_ids = []  # partial ids would misalign a comparison: compare by text instead
         if usage:
             summary.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            if not counted and usage.get("completion_tokens") is not None:
-                summary.tokens = int(usage["completion_tokens"])  # better than one per chunk
+            completion = usage.get("completion_tokens")
+            if completion is not None and (not counted or int(completion) > summary.tokens):
+                # better than one per chunk; and more than the chunks named where a server sent no chunk
+                # for some tokens (llama-server: one whose text ends inside a UTF-8 character)
+                if counted:
+                    summary.token_ids = []  # ids with gaps: compare by text
+                summary.tokens = int(completion)
         figures = self._figures(before, timings, meta_info, spec_decoding)
         if figures is not None:
             figures.apply(summary)

@@ -119,6 +119,13 @@ def test_backend_reads_llama_server_timings(replay):
     assert s.spec_source == "llama-server timings" and s.draft_tokens == 8 and s.accepted_tokens == 4
 
 
+def test_tokens_a_server_sent_no_chunk_for_are_counted_and_the_ids_left_out(replay):
+    """llama-server sends no chunk for a token whose text ends inside a UTF-8 character; the usage
+    counts it: the reply has every token and no ids with a gap (it is compared by text)."""
+    s = stream(replay, "llama-server-withheld")[-1]
+    assert s.text == " Paris \U0001F389." and s.tokens == 4 and s.token_ids == []
+
+
 def test_sglang_streamed_reply_says_no_metrics_whole_reply_has_them(replay):
     events = stream(replay, "sglang")
     s = events[-1]
