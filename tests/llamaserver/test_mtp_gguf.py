@@ -144,3 +144,37 @@ def test_both_engines_accept_alike_from_the_files_taught_head(server_binary, tau
     (drafted, accepted), (server_drafted, server_accepted) = counts["native"], counts["llama-server"]
     assert drafted >= 50 and accepted >= (0.9 if depth == 1 else 0.25) * drafted, counts
     assert abs(accepted - server_accepted) <= 0.1 * drafted and abs(drafted - server_drafted) <= 0.1 * drafted, counts
+
+
+@pytest.mark.asyncio
+async def test_one_ab_view_holds_both_engines_mtp_on_the_file(server_binary, taught):
+    """`specchat ab -p native-mtp -r server-mtp`, driven through Pilot: specchat's MTP and llama-server's
+    draft-mtp on the same file side by side, both drafting from the file's taught head and accepting,
+    and the verdict no mismatch of specchat's drafter (the other engine is judged as `verify` judges
+    one, against the speculative profile's own target-only)."""
+    from pathlib import Path
+
+    from specchat.tui.app import SpecChatApp
+    from tests.tui.conftest import ab_open, wait_until
+
+    profiles = Path(os.environ["SPECCHAT_PROFILES_DIR"])
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / "native-mtp.yaml").write_text(f"model: {taught}\ndtype: float32\ncontext: 256\nthreads: 2\n"
+                                              "compile: false\nspeculative: {method: mtp, depth: 1, adaptive: false}\n")
+    (profiles / "server-mtp.yaml").write_text(f"backend: llamaserver\nmodel: {taught}\ncontext: 512\nthreads: 2\n"
+                                              "speculative: {method: mtp, depth: 1}\n")
+    app = SpecChatApp("native-mtp", start_ab=True, ab_reference="server-mtp", history=False)
+    async with app.run_test(size=(140, 32)) as pilot:
+        await wait_until(pilot, lambda: ab_open(pilot.app, ready=True), timeout=300, what="A/B ready")
+        ab = pilot.app.screen
+        ab.query_one("#ab-prompt").text = MESSAGES[1]
+        await pilot.click("#ab-prompt")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: ab.verdict is not None and not ab.running, timeout=300, what="verdict")
+        spec, ref = ab.panes["spec"].summary, ab.panes["ref"].summary
+        assert ab.verdict.ok and ab.verdict.kind != "mismatch", ab.verdict
+        assert spec.accepted_tokens > 0 and ref.accepted_tokens > 0  # both drafted from the head, and hit
+        # the same reply, but for a last character the server never completes (it holds back its bytes)
+        assert ref.spec_source == "llama-server /metrics" and spec.text.startswith(ref.text)
+        assert len(ref.text) >= len(spec.text) - 2
+    app.exit()
