@@ -360,10 +360,10 @@ class TorchBackend(Backend):
         start: (logits [1, vocab], {layer: [len(prompt) - start, dim]}, start). Positions before
         `start` were reused from the cache (at most `reuse_at_most` of them).
 
-        A prompt whose cached prefix ends inside an earlier pass of several rows (`pass_spans`)
-        recomputes that pass from its start: its rows' bits depend on the pass, and a prompt sent
-        again (regenerate) would otherwise find all but its last token cached and choose its first
-        token from a single-token pass, where its first send chose from the prefill's last row:
+        A prompt the cache holds whole (sent again: regenerate, the same question twice) runs again the
+        pass of several rows (`pass_spans`) its last token was computed in, from that pass's start:
+        its rows' bits depend on the pass, and otherwise the last token would run alone, choosing the
+        first token from a single-token pass where the first send chose from the prefill's last row:
         other arithmetic, and at a near-tie another reply."""
         self.check_fits(len(prompt))
         start = 0
@@ -372,7 +372,9 @@ class TorchBackend(Backend):
             limit = min(limit, reuse_at_most)
         while start < limit and self.cached[start] == prompt[start]:
             start += 1
-        start = next((lo for lo, hi in self.pass_spans if lo < start < hi), start)
+        last = len(prompt) - 1
+        if start == last and len(self.cached) > last and self.cached[last] == prompt[last]:
+            start = next((lo for lo, hi in self.pass_spans if lo <= last < hi), start)
         start = self.restart_point(start)
         logits, hidden = self.forward(prompt[start:], start, hidden_layers, all_logits=False, head=head)
         return logits, hidden, start

@@ -134,6 +134,8 @@ def test_a_prompt_sent_again_chooses_its_first_token_from_the_same_bits(engine):
     engine.forward([5], len(prompt), all_logits=False)  # a reply token: a single-token pass
     longer = prompt + [5, 6, 7]  # the next turn reuses the whole prefill and the reply
     assert engine.prefill_with_hidden(longer)[2] == len(prompt) + 1
+    edited = prompt[:-2] + [9, 9]  # another last message: the rows before it are reused
+    assert engine.prefill_with_hidden(edited)[2] == len(prompt) - 2
     engine.truncate(3)  # what is left of a pass is still that pass's rows
     assert engine.pass_spans == [(0, 3)]
     engine.truncate(0)
