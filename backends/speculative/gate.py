@@ -4,7 +4,7 @@ faster than plain passes would.
 A source is a drafter (`mtp`, `draft`, `ngram`, `dflash`), or one half of prompt lookup in front
 of a model drafter (`lookup` and the model's name). Per source the gate keeps moving averages of
 tokens per drafted pass and seconds per drafted pass (proposal, verification and acceptance), and
-overall the seconds per plain pass (no draft). A source drafts only while its drafted passes bring
+overall the seconds per plain pass (no draft), the median of the latest few. A source drafts only while its drafted passes bring
 at least `1 + margin` times the tokens per second of plain passes: one at break-even buys nothing,
 and the rates it is judged by are moving averages over a few passes each, so one that only seems to
 break even costs speed (the chat prompts' `smollm2-replayssm` ran at 0.94x its target-only while
@@ -21,7 +21,9 @@ acceptance every pass emits the target's own tokens, drafted or not.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+from statistics import median
 
 
 @dataclass
@@ -45,15 +47,48 @@ class _Average:
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
+class _Recent:
+    """The latest `window` plain passes: their seconds by the median, so that one pass slowed by
+    something else (the first after a load, another process's burst) cannot stand for all of them.
+    A moving average took a slow first pass for the plain rate for hundreds of passes: a drafter that
+    never paid drafted through nineteen chat replies (`smollm2-dspark`, 0.72x; docs/results.md)."""
+
+    def __init__(self, window: int = 9):
+        self.times: deque[float] = deque(maxlen=window)
+        self.counts: deque[float] = deque(maxlen=window)
+        self.passes = 0
+
+    def add(self, tokens: float, seconds: float | None, alpha: float = 0.0) -> None:
+        self.counts.append(tokens)
+        if seconds is not None:
+            self.times.append(seconds)
+        self.passes += 1
+
+    @property
+    def tokens(self) -> float:
+        return sum(self.counts) / len(self.counts) if self.counts else 0.0
+
+    @property
+    def seconds(self) -> float:
+        return median(self.times) if self.times else 0.0
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second."""
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
 ALL = "*"  # in a `plan`: no source drafts (a baseline pass)
 
 
 class DraftGate:
     def __init__(self, alpha: float = 0.08, warmup: int = 8, probe: int = 8, baseline_every: int = 32,
-                 margin: float = 0.02, max_probe: int = 64):
+                 margin: float = 0.02, max_probe: int = 64, first_plain: int = 3):
+        """`first_plain`: plain passes before any source drafts, so that the plain rate is a median of
+        several from the start."""
         self.alpha, self.warmup, self.probe, self.baseline_every = alpha, warmup, probe, baseline_every
-        self.margin, self.max_probe = margin, max_probe
-        self.plain = _Average()
+        self.margin, self.max_probe, self.first_plain = margin, max_probe, first_plain
+        self.plain = _Recent()
         self.sources: dict[str, _Average] = {}
         self._paused_passes: dict[str, int] = {}  # passes a source has sat out since its last probe
         self._interval: dict[str, int] = {}  # passes between a paused source's probes
@@ -62,7 +97,7 @@ class DraftGate:
     def plan(self) -> frozenset[str]:
         """The sources not to draft from in the next pass (ALL: none drafts)."""
         self._passes += 1
-        if self.plain.passes == 0 or self._passes % self.baseline_every == 0:
+        if self.plain.passes < self.first_plain or self._passes % self.baseline_every == 0:
             return frozenset({ALL})
         paused = set()
         for name, avg in self.sources.items():
