@@ -79,6 +79,10 @@ class _Recent:
 
 
 ALL = "*"  # in a `plan`: no source drafts (a baseline pass)
+# after this many drafted passes, a source below this share of the plain rate sits out at once: a
+# block drafter's warm-up (eight passes, each some two plain passes' time for one or two tokens) was
+# most of what it cost a short reply that it does not pay on
+EARLY_PASSES, EARLY_BELOW = 3, 0.8
 
 
 class DraftGate:
@@ -103,7 +107,9 @@ class DraftGate:
         for name, avg in self.sources.items():
             was_paused = name in self._paused_passes
             floor = self.plain.rate * (1.0 + (2 * self.margin if was_paused else self.margin))
-            if avg.passes < self.warmup or avg.rate >= floor:
+            # a source far below plain passes after a few drafts needs no full warm-up to tell
+            clearly_slower = avg.passes >= EARLY_PASSES and avg.rate < self.plain.rate * EARLY_BELOW
+            if (avg.passes < self.warmup and not clearly_slower) or avg.rate >= floor:
                 self._paused_passes.pop(name, None)
                 self._interval.pop(name, None)
                 continue
