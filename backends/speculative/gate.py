@@ -4,17 +4,17 @@ faster than plain passes would.
 A source is a drafter (`mtp`, `draft`, `ngram`, `dflash`), or one half of prompt lookup in front
 of a model drafter (`lookup` and the model's name). Per source the gate keeps moving averages of
 tokens per drafted pass and seconds per drafted pass (proposal, verification and acceptance), and
-overall the seconds per plain pass (no draft), the median of the latest few. A source drafts only while its drafted passes bring
-at least `1 + margin` times the tokens per second of plain passes: one at break-even buys nothing,
-and the rates it is judged by are moving averages over a few passes each, so one that only seems to
-break even costs speed (the chat prompts' `smollm2-replayssm` ran at 0.94x its target-only while
-judged within 3% of it; docs/results.md). A source below that is paused, and tried again after
-`probe` passes, then after twice as many each time a probe leaves it paused (up to `max_probe`: a
-drafter that never pays costs a probe in 64 passes, not one in 8), and comes back at
-`1 + 2 margin` when the text turns its way; a probe counts for its tokens only, since it also pays
-for catching the drafter up on the passes it sat out. What the gate learns stays with the backend
-from one reply to the next (backend.py). Every `baseline_every` passes one pass is plain
-whatever the sources do, so the plain rate stays measured as the context grows.
+overall the seconds of the latest plain passes (no draft), by their median. A source drafts only
+while its drafted passes bring at least `1 + margin` times the tokens per second of plain passes: one
+at break-even buys nothing, and one that only seems to break even over a few passes costs speed (the
+chat prompts' `smollm2-replayssm` ran at 0.94x its target-only while judged within 3% of it;
+docs/results.md). A source below that after its warm-up (or far below it after three drafts) is
+paused, and tried again after `probe` passes, then after twice as many each time a probe leaves it
+paused (up to `max_probe`: a drafter that never pays costs a probe in 64 passes, not one in 8), and
+comes back at `1 + 2 margin` when the text turns its way; a probe counts for its tokens only, since
+it also pays for catching the drafter up on the passes it sat out. What the gate learns stays with
+the backend from one reply to the next (backend.py). The first passes are plain, and every
+`baseline_every`-th one whatever the sources do, so the plain rate stays measured as the context grows.
 
 The gate only decides how much is drafted, which never changes what is emitted: under exact
 acceptance every pass emits the target's own tokens, drafted or not.
