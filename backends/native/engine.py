@@ -94,8 +94,7 @@ class TorchBackend(Backend):
         self.tokenizer = ChatTokenizer(path, cache_dir)
         self.eos_ids: frozenset[int] = self.tokenizer.eos_ids
         self.cached: list[int] = []  # token ids whose keys/values are in the cache, in order
-        # the cached positions computed by passes of several rows that were not row-exact (prefills,
-        # non-strict verify blocks), as [lo, hi) spans: see prefill_with_hidden
+        # cached positions computed by multi-row passes that were not row-exact: see prefill_with_hidden
         self.pass_spans: list[tuple[int, int]] = []
         # held by every pass: a reference run on these weights (shared_weights.py) takes turns with it
         self.turn = threading.RLock()
@@ -320,7 +319,10 @@ class TorchBackend(Backend):
         with self.turn:
             self.model.cache.truncate(n)
             del self.cached[n:]
-            self.pass_spans = [(lo, min(hi, n)) for lo, hi in self.pass_spans if lo < n]
+            spans = self.pass_spans  # in order and apart (a pass truncates to its start first)
+            while spans and spans[-1][0] >= n:
+                spans.pop()
+            spans[-1:] = [(lo, min(hi, n)) for lo, hi in spans[-1:]]
 
     def hold_positions(self, n: int) -> None:
         """A caller that rolls back over several of its own passes (a draft model's proposals) asks
@@ -374,7 +376,7 @@ class TorchBackend(Backend):
             start += 1
         last = len(prompt) - 1
         if start == last and len(self.cached) > last and self.cached[last] == prompt[last]:
-            start = next((lo for lo, hi in self.pass_spans if lo <= last < hi), start)
+            start = next((lo for lo, hi in reversed(self.pass_spans) if lo <= last < hi), start)
         start = self.restart_point(start)
         logits, hidden = self.forward(prompt[start:], start, hidden_layers, all_logits=False, head=head)
         return logits, hidden, start
