@@ -139,8 +139,8 @@ class PassGrouper:
         self.need = 0
 
     def add(self, piece: Piece) -> Iterator[Step]:
-        if not piece.token_ids and not piece.text:
-            return
+        if not piece.token_ids and not piece.text and not piece.withheld:  # (the last chunk's may end inside
+            return  # a character: its tokens come with no chunk of their own, only the final count)
         drafted = piece.drafted if piece.drafted is not None else self.drafted
         accepted = piece.accepted if piece.accepted is not None else self.accepted
         if drafted != self.drafted or accepted != self.accepted:

@@ -104,10 +104,12 @@ def test_tokens_whose_ids_the_server_withheld_are_counted_and_the_ids_left_out()
     assert Piece.of({"content": "é", "tokens": [7], "stop": False, "tokens_predicted": 3}).predicted == 3
     g, received, steps = PassGrouper(), 0, []
     for p in (Piece([1], "a", None, None, [None], None, 1), Piece([4], "日", None, None, [None], None, 3),
-              Piece([5], "b", 2, 1, [None], None, 4), Piece([8], "本", 2, 1, [None], None, 6)):
+              Piece([5], "b", 2, 1, [None], None, 4), Piece([8], "本", 2, 1, [None], None, 6),
+              Piece([], "", None, None, [], "limit", 7)):  # the reply ended inside a character
         p = _withheld(p, received)
         received += p.count
         steps += list(g.add(p))
     steps += list(g.flush())
-    assert [(s.token_ids, s.n_tokens, s.text) for s in steps] == [([1], 1, "a"), ([4], 2, "日"), ([5, 8], 3, "b本")]
-    assert received == 6
+    assert [(s.token_ids, s.n_tokens, s.text) for s in steps] == [([1], 1, "a"), ([4], 2, "日"), ([5, 8], 3, "b本"),
+                                                                  ([], 1, "")]
+    assert received == 7
